@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tierkv.tiers.host import HostPool, slot_size_for
+
+
+def test_slab_classes_share_one_pool():
+    pool = HostPool(8 << 20, 1 << 20, prefault=False)
+    a, b = slot_size_for(300_000), slot_size_for(100_000)
+    offs_a = [pool.alloc(a) for _ in range(6)]
+    offs_b = [pool.alloc(b) for _ in range(20)]
+    assert None not in offs_a and None not in offs_b
+    assert pool.slab_usage() == {a: 2, b: 2}
+    assert len(set(offs_a + offs_b)) == 26
+    for o in offs_a:  # every slot of class a returned: its slabs go back to the free list
+        pool.free(o)
+    assert a not in pool.slab_usage()
+    assert pool.used_bytes == 20 * b
+    pool.close()
+
+
+def test_fill_and_fragmentation():
+    pool = HostPool(4 << 20, 1 << 20, prefault=False)
+    s = slot_size_for(400_000)  # 2 per slab
+    offs = []
+    while (o := pool.alloc(s)) is not None:
+        offs.append(o)
+    assert len(offs) == 8
+    assert not pool.can_alloc(s)
+    assert 0 < pool.fragmentation(8 * 400_000) < 0.3
+    random.Random(0).shuffle(offs)
+    for o in offs:
+        pool.free(o)
+    assert pool.used_bytes == 0 and pool.can_alloc(slot_size_for(1 << 20))
+    with pytest.raises(ValueError):
+        pool.alloc((1 << 20) + 4096)
+    pool.close()
+
+
+def test_views_are_shared_memory():
+    import mmap
+    import os
+
+    pool = HostPool(2 << 20, 1 << 20, prefault=True)
+    off = pool.alloc(4096)
+    pool.view(off, 4096)[:] = 7
+    mm = mmap.mmap(pool.fd, pool.capacity)  # what a client maps after SCM_RIGHTS
+    assert mm[off:off + 4096] == b"\x07" * 4096
+    mm.close()
+    with pytest.raises(OSError):
+        os.ftruncate(pool.fd, 4096)  # sealed: nobody can shrink the pool under the daemon
+    pool.close()

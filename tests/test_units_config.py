@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from tierkv.config import load_config
+from tierkv.units import format_size, parse_size
+
+
+def test_parse_size():
+    assert parse_size("8GiB") == 8 << 30
+    assert parse_size("512 MiB") == 512 << 20
+    assert parse_size("100GB") == 100 * 10**9
+    assert parse_size(4096) == 4096
+    assert parse_size("1.5KiB") == 1536
+    for bad in ("", "12XB", "-5", "GiB", True):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert format_size(3 << 30) == "3.0 GiB"
+
+
+def test_precedence(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[host]\ncapacity = "2GiB"\nslab_bytes = "16MiB"\n[disk]\ncodec = "zstd"\n')
+    cfg = load_config(f, env={"TIERKV_HOST_CAPACITY": "3GiB", "TIERKV_DISK_WORKERS": "3"},
+                      overrides={"disk.codec": "raw"})
+    assert cfg.host.capacity == 3 << 30 and cfg.sources["host.capacity"] == "env:TIERKV_HOST_CAPACITY"
+    assert cfg.host.slab_bytes == 16 << 20 and cfg.sources["host.slab_bytes"].startswith("file:")
+    assert cfg.disk.codec == "raw" and cfg.sources["disk.codec"] == "flag"
+    assert cfg.disk.workers == 3
+
+
+@pytest.mark.parametrize("text,match", [
+    ('[host]\ncapacity = "lots"\n', "host.capacity"),
+    ('[hots]\ncapacity = 1\n', "unknown section"),
+    ('[host]\ncolour = 1\n', "unknown setting"),
+    ('[host]\nhigh_watermark = 0.5\nlow_watermark = 0.9\n', "watermarks"),
+    ('[disk]\nsync = "maybe"\n', "disk.sync"),
+    ("[host\n", "bad TOML"),
+])
+def test_bad_config(tmp_path, text, match):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_config(f, env={})
+
+
+def test_default_config_file_loads():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "default.toml", env={})
+    assert cfg.server.data_dir

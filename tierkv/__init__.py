@@ -1,0 +1,16 @@
+"""tierkv: a tiered KV-cache memory manager for LLM inference."""
+
+from .errors import TierKVError
+from .layout import Layout
+
+__all__ = ["Client", "Layout", "TierKVError"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Client pulls in the protocol stack; import lazily so `import tierkv` stays cheap for tools.
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(name)

@@ -1,0 +1,617 @@
+"""Block table: where each block lives, who holds it, and what moves next. It decides; the transfer
+engine moves bytes.
+
+Blocks are immutable and content-addressed by ``fingerprint + key`` (the LMDB key too). A block may be
+in the host tier (a slot in the shared pool), on disk, or both. Leases pin a block's host slot for a
+client connection; a leased, loading or writing block is never evicted. All state changes happen under
+one lock; waits on transfers happen outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .codecs import CodecError, read_header
+from .config import Config
+from .errors import BadRequest, TierFull
+from .keys import FINGERPRINT_BYTES, MAX_KEY_BYTES, Namespace
+from .policy import make_policy
+from .stats import TierCounters
+from .tiers.disk import DiskTier, stored_size
+from .tiers.host import HostPool, slot_size_for
+from .transfer import Job, Move, TransferEngine
+
+log = logging.getLogger("tierkv.table")
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One block's record."""
+
+    fk: bytes                      # fingerprint + key
+    nbytes: int                    # raw bytes (the namespace's block size)
+    host_off: int | None = None    # slot offset in the host pool
+    on_disk: bool = False
+    disk_bytes: int = 0            # encoded bytes on disk
+    leases: int = 0
+    writing: bool = False          # a host -> disk store is in flight
+    loading: threading.Event | None = None  # set when a disk -> host load finishes
+    load_failed: bool = False
+    hits: int = 0
+
+    @property
+    def protected(self) -> bool:
+        return self.leases > 0 or self.writing or self.loading is not None
+
+
+@dataclass
+class Lease:
+    """Blocks pinned in host memory for one connection."""
+
+    id: int
+    blocks: list[Block]
+
+
+@dataclass
+class Session:
+    """Per-connection state: its namespace, unclaimed slots and leases (all freed when it closes)."""
+
+    id: int
+    rid: int = 0                   # request id being served (replies echo it)
+    ns: Namespace | None = None
+    fp: bytes = b""
+    slots: dict[int, int] = field(default_factory=dict)   # offset -> slot size, allocated but not committed
+    leases: dict[int, Lease] = field(default_factory=dict)
+
+
+def validate_keys(keys: object, limit: int = 1 << 16) -> list[bytes]:
+    """Check a key list from the wire; raise BadRequest naming the problem."""
+    if not isinstance(keys, list):
+        raise BadRequest("keys must be a list of bytes")
+    if len(keys) > limit:
+        raise BadRequest(f"too many keys in one request ({len(keys)} > {limit})")
+    for k in keys:
+        if not isinstance(k, bytes) or not (1 <= len(k) <= MAX_KEY_BYTES):
+            raise BadRequest(f"each key must be 1..{MAX_KEY_BYTES} bytes")
+    return keys
+
+
+class BlockTable:
+    """All block records plus the host pool, the disk tier and the transfer engine."""
+
+    def __init__(self, cfg: Config, data_dir: str) -> None:
+        self.cfg = cfg
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.blocks: dict[bytes, Block] = {}
+        self.namespaces: dict[bytes, Namespace] = {}
+        self.ns_blocks: dict[bytes, int] = {}
+        self.host = HostPool(cfg.host.capacity, cfg.host.slab_bytes, cfg.host.prefault)
+        self.host_policy = make_policy(cfg.host.policy)
+        self.disk_policy = make_policy(cfg.disk.policy)
+        self.host_stats = TierCounters()
+        self.disk_stats = TierCounters()
+        self.disk: DiskTier | None = None
+        self.disk_used = 0
+        self.degraded = ""
+        self._lease_ids = 0
+        self._closing = False
+        self._kick = threading.Event()
+        self._force = False
+        if cfg.disk.enabled:
+            from pathlib import Path
+
+            self.disk = DiskTier(Path(data_dir) / "disk", cfg.disk.capacity, cfg.disk.sync)
+        self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
+                                     make_room=self._make_disk_room)
+        if self.disk is not None:
+            self._scan_disk()
+        self._evictor = threading.Thread(target=self._evict_loop, name="tierkv-evictor", daemon=True)
+        self._evictor.start()
+
+    # ---- start-up ---------------------------------------------------------------------------------
+    def _scan_disk(self) -> None:
+        """Rebuild records of every block on disk; a value with a bad header is dropped."""
+        assert self.disk is not None
+        bad: list[bytes] = []
+        t0 = time.perf_counter()
+        for lk, value in self.disk.scan():
+            try:
+                h = read_header(value)
+            except CodecError:
+                bad.append(lk)
+                continue
+            if len(lk) <= FINGERPRINT_BYTES or bytes(h.fingerprint) != lk[:FINGERPRINT_BYTES]:
+                bad.append(lk)
+                continue
+            b = Block(lk, h.raw_len, on_disk=True, disk_bytes=len(value))
+            self.blocks[lk] = b
+            self._disk_added(b)
+        if bad:
+            self.disk.delete(bad)
+            self.disk_stats.corrupt += len(bad)
+        log.info("disk tier: %d blocks (%d dropped as corrupt) scanned in %.2fs", len(self.blocks), len(bad),
+                 time.perf_counter() - t0)
+
+    # ---- namespaces and sessions ------------------------------------------------------------------
+    def register(self, session: Session, ns: Namespace) -> None:
+        """Bind a connection to its namespace."""
+        slot = slot_size_for(ns.layout.block_bytes)
+        if slot > self.host.slab_bytes:
+            raise BadRequest(f"a block of {ns.layout.block_bytes} bytes exceeds the host slab size "
+                             f"({self.host.slab_bytes}); raise host.slab_bytes")
+        with self.lock:
+            session.ns, session.fp = ns, ns.fingerprint
+            self.namespaces.setdefault(session.fp, ns)
+
+    def close_session(self, session: Session) -> None:
+        """Release everything a connection held (it may have died without a word)."""
+        with self.lock:
+            for lease in session.leases.values():
+                for b in lease.blocks:
+                    b.leases -= 1
+                    assert b.leases >= 0
+            session.leases.clear()
+            for off in session.slots:
+                self.host.free(off)
+            session.slots.clear()
+            self.changed.notify_all()
+
+    # ---- store path -------------------------------------------------------------------------------
+    def alloc(self, s: Session, n: int, keys: list[bytes] | None = None) -> list[int | None]:
+        """Host slots for ``n`` new blocks (None where ``keys[i]`` is already cached: nothing to write)."""
+        ns = self._ns(s)
+        if not isinstance(n, int) or n < 0:
+            raise BadRequest("n must be a non-negative int")
+        slot = slot_size_for(ns.layout.block_bytes)
+        if n * slot > self.host.capacity:
+            raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({self.host.capacity} bytes)")
+        if keys is not None and len(keys) != n:
+            raise BadRequest("keys and n disagree")
+        out: list[int | None] = []
+        with self.lock:
+            try:
+                for i in range(n):
+                    if keys is not None and (s.fp + keys[i]) in self.blocks:
+                        out.append(None)
+                        continue
+                    off = self._alloc_slot(slot)
+                    s.slots[off] = slot
+                    out.append(off)
+            except TierFull:
+                for off in out:
+                    if off is not None:
+                        s.slots.pop(off, None)
+                        self.host.free(off)
+                raise
+        return out
+
+    def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False) -> int:
+        """Publish written slots under ``keys``; returns how many were new (the rest deduplicated)."""
+        ns = self._ns(s)
+        if len(keys) != len(offsets):
+            raise BadRequest("keys and slots differ in length")
+        if durable and self.disk is None:
+            raise BadRequest("durable=True needs the disk tier, which is disabled")
+        fks = [s.fp + k for k in keys]
+        new: list[Block] = []
+        durable_blocks: list[Block] = []
+        with self.lock:
+            for off in offsets:
+                if not isinstance(off, int) or off not in s.slots:
+                    raise BadRequest(f"slot {off!r} was not allocated by this connection")
+            if len(set(offsets)) != len(offsets):
+                raise BadRequest("a slot appears twice")
+            parent = None
+            for fk, off in zip(fks, offsets):
+                del s.slots[off]
+                b = self.blocks.get(fk)
+                if b is None:
+                    b = Block(fk, ns.layout.block_bytes, host_off=off)
+                    self.blocks[fk] = b
+                    self.ns_blocks[s.fp] = self.ns_blocks.get(s.fp, 0) + 1
+                    self.host_policy.on_insert(fk, self.host.slot_size_at(off), parent)
+                    self.host_stats.bytes_in += b.nbytes
+                    new.append(b)
+                elif b.host_off is None and b.loading is None:
+                    b.host_off = off  # on disk only: keep the fresh copy hot instead of reading it back
+                    self.host_policy.on_insert(fk, self.host.slot_size_at(off), parent)
+                else:
+                    self.host.free(off)  # deduplicated
+                    self._touch(b)
+                if durable and not b.on_disk:
+                    durable_blocks.append(b)
+                parent = fk
+            job = self._store(durable_blocks) if durable_blocks else None
+            self.changed.notify_all()
+        if job is not None:
+            job.wait()
+            if job.error is not None or not all(m.ok for m in job.moves):
+                raise job.error or TierFull("durable write failed")
+        self._kick_evictor()
+        return len(new)
+
+    def abort(self, s: Session, offsets: list[int]) -> None:
+        """Give back allocated slots without committing them."""
+        with self.lock:
+            for off in offsets:
+                if off in s.slots:
+                    del s.slots[off]
+                    self.host.free(off)
+            self.changed.notify_all()
+
+    # ---- load path --------------------------------------------------------------------------------
+    def lookup(self, s: Session, keys: list[bytes]) -> list[str]:
+        """Tier of each leading cached block ("host" or "disk"); stops at the first miss."""
+        self._ns(s)
+        out: list[str] = []
+        with self.lock:
+            for k in keys:
+                b = self.blocks.get(s.fp + k)
+                if b is None:
+                    break
+                out.append("host" if b.host_off is not None else "disk")
+        return out
+
+    def acquire(self, s: Session, keys: list[bytes]) -> tuple[int, list[int], list[str]]:
+        """Lease the longest cached prefix in host memory, promoting from disk as needed.
+
+        Returns:
+            (lease id, slot offsets of the leased prefix, tier each block came from).
+        """
+        ns = self._ns(s)
+        slot = slot_size_for(ns.layout.block_bytes)
+        leased: list[Block] = []
+        tiers: list[str] = []
+        loads: list[Block] = []
+        waits: list[Block] = []
+        with self.lock:
+            for k in keys:
+                b = self.blocks.get(s.fp + k)
+                if b is None:
+                    self.host_stats.misses += 1
+                    break
+                if b.host_off is not None:
+                    if b.loading is not None:
+                        waits.append(b)
+                    tiers.append("host")
+                    self.host_stats.hits += 1
+                elif b.on_disk:
+                    try:
+                        b.host_off = self._alloc_slot(slot)
+                    except TierFull:
+                        break  # no room to promote: the prefix so far is what the client gets
+                    b.loading = threading.Event()
+                    b.load_failed = False
+                    loads.append(b)
+                    tiers.append("disk")
+                    self.host_stats.misses += 1
+                else:
+                    break
+                b.leases += 1
+                self._touch(b)
+                leased.append(b)
+            job = self._load(ns, loads) if loads else None
+        if job is not None:
+            job.wait()
+        for b in waits:
+            ev = b.loading
+            if ev is not None:
+                ev.wait()
+        with self.lock:
+            cut = next((i for i, b in enumerate(leased) if b.load_failed or b.host_off is None), len(leased))
+            for b in leased[cut:]:
+                b.leases -= 1
+            leased = leased[:cut]
+            tiers = tiers[:cut]
+            self._lease_ids += 1
+            lease = Lease(self._lease_ids, leased)
+            s.leases[lease.id] = lease
+            self.changed.notify_all()
+            return lease.id, [b.host_off for b in leased], tiers  # type: ignore[misc]
+
+    def touch(self, s: Session, keys: list[bytes], scores: list[float]) -> int:
+        """Record attention mass per block (1.0 = uniform) for the policies; returns blocks found."""
+        self._ns(s)
+        found = 0
+        with self.lock:
+            for k, mass in zip(keys, scores):
+                b = self.blocks.get(s.fp + k)
+                if b is None:
+                    continue
+                found += 1
+                if b.fk in self.host_policy:
+                    self.host_policy.on_touch(b.fk, mass)
+                if b.on_disk:
+                    self.disk_policy.on_touch(b.fk, mass)
+        return found
+
+    def delete(self, s: Session, keys: list[bytes]) -> int:
+        """Drop blocks from every tier (leased or in-flight ones are skipped); returns blocks dropped."""
+        self._ns(s)
+        gone: list[bytes] = []
+        with self.lock:
+            for k in keys:
+                b = self.blocks.get(s.fp + k)
+                if b is None or b.protected:
+                    continue
+                if b.host_off is not None:
+                    self.host_policy.on_remove(b.fk)
+                    self.host.free(b.host_off)
+                    b.host_off = None
+                if b.on_disk:
+                    gone.append(b.fk)
+                self._forget(b)
+            self.changed.notify_all()
+        if gone and self.disk is not None:
+            self.disk.delete(gone)
+        return len(keys) - sum(1 for k in keys if (s.fp + k) in self.blocks)
+
+    def release(self, s: Session, lease_ids: Iterable[int]) -> None:
+        """End leases; unknown ids (double release, another client's lease) are an error."""
+        with self.lock:
+            ids = list(lease_ids)
+            for lid in ids:
+                if lid not in s.leases:
+                    raise BadRequest(f"lease {lid!r} is not held by this connection")
+            for lid in ids:
+                for b in s.leases.pop(lid).blocks:
+                    b.leases -= 1
+                    assert b.leases >= 0
+            self.changed.notify_all()
+
+    def _load(self, ns: Namespace, blocks: list[Block]) -> Job:
+        moves = [Move(b.fk, self.host.view(b.host_off, b.nbytes), ns.layout, b.fk[:FINGERPRINT_BYTES],
+                      b.fk[FINGERPRINT_BYTES:]) for b in blocks]  # type: ignore[arg-type]
+
+        def done(job: Job) -> None:
+            with self.lock:
+                bad: list[bytes] = []
+                for b, m in zip(blocks, job.moves):
+                    ev = b.loading
+                    b.loading = None
+                    if m.ok:
+                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), None)
+                        self.disk_stats.hits += 1
+                        self.disk_stats.bytes_out += b.nbytes
+                        self.host_stats.promotions += 1
+                    else:
+                        # A bad value is a miss: drop the entry everywhere, never serve it.
+                        b.load_failed = True
+                        self.host.free(b.host_off)  # type: ignore[arg-type]
+                        b.host_off = None
+                        self.disk_stats.misses += 1
+                        if m.error.startswith("io"):
+                            self.degraded = m.error
+                            self.disk_stats.errors += 1
+                        else:
+                            self.disk_stats.corrupt += 1
+                            bad.append(b.fk)
+                        self._forget(b)
+                    if ev is not None:
+                        ev.set()
+                self.changed.notify_all()
+            if bad and self.disk is not None:
+                try:
+                    self.disk.delete(bad)
+                except Exception as exc:  # the records are gone already; a stale value is re-verified anyway
+                    log.warning("could not delete corrupt values: %s", exc)
+
+        return self.engine.load(moves, on_done=done)
+
+    # ---- write-back -------------------------------------------------------------------------------
+    def _store(self, blocks: list[Block]) -> Job:
+        """Queue host -> disk writes of dirty blocks (their slots stay pinned until done). Lock held."""
+        for b in blocks:
+            b.writing = True
+        moves = [Move(b.fk, self.host.view(b.host_off, b.nbytes), self.namespaces_layout(b), b.fk[:FINGERPRINT_BYTES],
+                      b.fk[FINGERPRINT_BYTES:]) for b in blocks]  # type: ignore[arg-type]
+
+        def done(job: Job) -> None:
+            with self.lock:
+                for b, m in zip(blocks, job.moves):
+                    b.writing = False
+                    if job.error is None and m.ok:
+                        if not b.on_disk and b.fk in self.blocks:
+                            b.on_disk = True
+                            b.disk_bytes = m.stored_bytes
+                            self._disk_added(b)
+                            self.disk_stats.bytes_in += b.nbytes
+                if job.error is not None:
+                    self.disk_stats.errors += 1
+                    if "full" not in str(job.error):
+                        self.degraded = str(job.error)
+                self.changed.notify_all()
+
+        return self.engine.store(moves, on_done=done)
+
+    def namespaces_layout(self, b: Block):
+        ns = self.namespaces.get(b.fk[:FINGERPRINT_BYTES])
+        assert ns is not None, "a host block always belongs to a registered namespace"
+        return ns.layout
+
+    def _disk_added(self, b: Block) -> None:
+        self.disk_used += stored_size(b.disk_bytes)
+        self.disk_stats.bytes_logical += b.nbytes
+        self.disk_stats.bytes_stored += b.disk_bytes
+        self.disk_policy.on_insert(b.fk, stored_size(b.disk_bytes), None)
+
+    def _disk_removed(self, b: Block) -> None:
+        self.disk_used -= stored_size(b.disk_bytes)
+        self.disk_stats.bytes_logical -= b.nbytes
+        self.disk_stats.bytes_stored -= b.disk_bytes
+        self.disk_policy.on_remove(b.fk)
+        b.on_disk = False
+        b.disk_bytes = 0
+
+    def _make_disk_room(self, incoming: int) -> list[bytes]:
+        """Called by the disk writer: keys to delete so ``incoming`` bytes fit under the high watermark."""
+        assert self.disk is not None
+        with self.lock:
+            limit = self.cfg.disk.high_watermark * self.disk.capacity
+            if self.disk_used + incoming <= limit:
+                return []
+            target = self.disk_used + incoming - self.cfg.disk.low_watermark * self.disk.capacity
+            victims = self.disk_policy.victims(int(target), self._disk_protected) or \
+                self.disk_policy.victims(int(self.disk_used + incoming - limit), self._disk_protected)
+            if victims is None:
+                raise TierFull("disk tier is full and nothing can be dropped")
+            keys = []
+            for fk in victims:
+                b = self.blocks[fk]
+                self._disk_removed(b)
+                self.disk_stats.evictions += 1
+                keys.append(fk)
+                if b.host_off is None:
+                    self._forget(b)
+            return keys
+
+    def _disk_protected(self, fk: bytes) -> bool:
+        b = self.blocks.get(fk)
+        return b is None or b.loading is not None
+
+    # ---- host eviction ----------------------------------------------------------------------------
+    def _alloc_slot(self, slot: int) -> int:
+        """A host slot, evicting clean blocks (or waiting for write-back) if needed. Lock held."""
+        deadline = None
+        while True:
+            off = self.host.alloc(slot)
+            if off is not None:
+                if self.host.used_bytes > self.cfg.host.high_watermark * self.host.capacity:
+                    self._kick_evictor()
+                return off
+            if self._closing:
+                raise TierFull("daemon is shutting down")
+            victims = self.host_policy.victims(slot, self._host_protected_clean)
+            if victims:
+                for fk in victims:
+                    self._drop_host(self.blocks[fk])
+                continue
+            if deadline is None:
+                deadline = time.monotonic() + 30.0
+            self._kick_evictor(force=True)
+            if time.monotonic() > deadline or not self._evictable_exists():
+                raise TierFull("host tier is full: every block is leased or being written")
+            self.changed.wait(0.05)
+
+    def _host_protected_clean(self, fk: bytes) -> bool:
+        b = self.blocks[fk]
+        return b.protected or (not b.on_disk and self.disk is not None)
+
+    def _host_protected(self, fk: bytes) -> bool:
+        return self.blocks[fk].protected
+
+    def _evictable_exists(self) -> bool:
+        return self.host_policy.victims(1, self._host_protected) is not None
+
+    def _drop_host(self, b: Block) -> None:
+        """Free a block's host slot (it stays on disk if it is there). Lock held."""
+        self.host_policy.on_remove(b.fk)
+        self.host.free(b.host_off)  # type: ignore[arg-type]
+        b.host_off = None
+        self.host_stats.evictions += 1
+        if b.on_disk:
+            self.host_stats.demotions += 1
+        else:
+            self._forget(b)
+        self.changed.notify_all()
+
+    def _forget(self, b: Block) -> None:
+        """Remove a block that is in no tier any more. Lock held."""
+        if b.on_disk:
+            self._disk_removed(b)
+        if self.blocks.get(b.fk) is b:
+            del self.blocks[b.fk]
+            fp = b.fk[:FINGERPRINT_BYTES]
+            self.ns_blocks[fp] = self.ns_blocks.get(fp, 1) - 1
+
+    def _touch(self, b: Block) -> None:
+        b.hits += 1
+        if b.host_off is not None and b.loading is None and b.fk in self.host_policy:
+            self.host_policy.on_access(b.fk)
+        if b.on_disk:
+            self.disk_policy.on_access(b.fk)
+
+    def _kick_evictor(self, force: bool = False) -> None:
+        self._force = force or self._force
+        self._kick.set()
+
+    def _evict_loop(self) -> None:
+        """Demote between the watermarks: write dirty victims back, then free their slots."""
+        while not self._closing:
+            self._kick.wait(0.5)
+            self._kick.clear()
+            try:
+                self._demote_once()
+            except Exception:
+                log.exception("evictor")
+
+    def _demote_once(self) -> None:
+        with self.lock:
+            cap = self.host.capacity
+            force = self._force
+            self._force = False
+            if self.host.used_bytes <= self.cfg.host.high_watermark * cap and not force:
+                return
+            want = int(self.host.used_bytes - self.cfg.host.low_watermark * cap)
+            want = max(want, self.host.slab_bytes if force else 0)
+            victims = self.host_policy.victims(want, self._host_protected)
+            if victims is None:
+                victims = []
+                # take what we can: walk down until something is possible
+                n = want
+                while n > 0 and not victims:
+                    n //= 2
+                    victims = self.host_policy.victims(n, self._host_protected) or []
+            dirty = []
+            for fk in victims:
+                b = self.blocks[fk]
+                if b.on_disk or self.disk is None:
+                    self._drop_host(b)
+                else:
+                    dirty.append(b)
+            job = self._store(dirty) if dirty else None
+        if job is None:
+            return
+        job.wait()
+        with self.lock:
+            for b in dirty:
+                if b.host_off is not None and not b.protected and (b.on_disk or job.error is None):
+                    if b.on_disk:
+                        self._drop_host(b)
+            self.changed.notify_all()
+
+    # ---- shutdown ---------------------------------------------------------------------------------
+    def flush(self, timeout: float) -> int:
+        """Write every dirty host block to disk (a warm next start); returns blocks written."""
+        if self.disk is None:
+            return 0
+        with self.lock:
+            dirty = [b for b in self.blocks.values() if b.host_off is not None and not b.on_disk
+                     and not b.writing and b.loading is None]
+            jobs = [self._store(dirty[i:i + self.cfg.disk.write_batch])
+                    for i in range(0, len(dirty), self.cfg.disk.write_batch)]
+        deadline = time.monotonic() + timeout
+        for j in jobs:
+            j.wait(max(0.0, deadline - time.monotonic()))
+        return sum(1 for j in jobs if j.done.is_set() and j.error is None for m in j.moves if m.ok)
+
+    def close(self, timeout: float) -> None:
+        """Stop threads, finish in-flight writes, close LMDB and the pool."""
+        self._closing = True
+        self._kick.set()
+        self._evictor.join(5)
+        self.engine.close(timeout)
+        if self.disk is not None:
+            self.disk.close()
+        self.host.close()
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _ns(self, s: Session) -> Namespace:
+        if s.ns is None:
+            raise BadRequest("no namespace on this connection: send HELLO first")
+        return s.ns

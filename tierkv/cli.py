@@ -1,0 +1,187 @@
+"""The ``tierkv`` command: a thin click group over the daemon and the client."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import click
+
+from .config import default_socket, load_config
+from .errors import TierKVError
+from .units import format_size
+
+_SERVE_FLAGS = {
+    "socket": "server.socket", "data_dir": "server.data_dir", "host_capacity": "host.capacity",
+    "disk_capacity": "disk.capacity", "slab_bytes": "host.slab_bytes", "codec": "disk.codec",
+    "no_disk": "disk.enabled", "policy": "host.policy", "disk_workers": "disk.workers",
+    "log_level": "server.log_level",
+}
+
+
+class _Group(click.Group):
+    """Errors print one line and exit non-zero; no tracebacks. Heavy subcommands load on first use."""
+
+    LAZY = {"replay": "tierkv.replay_cli", "demo": "tierkv.demo"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        cmd = super().get_command(ctx, name)
+        if cmd is None and name in self.LAZY:
+            import importlib
+
+            try:
+                cmd = getattr(importlib.import_module(self.LAZY[name]), name, None)
+            except ImportError as exc:
+                raise click.ClickException(f"'{name}' is unavailable: {exc}") from None
+        return cmd
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TierKVError as exc:
+            click.echo(f"tierkv: {exc}", err=True)
+            sys.exit(2)
+        except ValueError as exc:
+            click.echo(f"tierkv: {exc}", err=True)
+            sys.exit(2)
+        except OSError as exc:
+            click.echo(f"tierkv: {exc.strerror or exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tierkv")
+def main() -> None:
+    """tierkv: a tiered KV-cache memory manager for LLM inference."""
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML settings file.")
+@click.option("--socket", help="Unix socket path.")
+@click.option("--data-dir", help="Directory for the disk tier.")
+@click.option("--host-capacity", help="Host tier size, e.g. 8GiB.")
+@click.option("--disk-capacity", help="Disk tier size, e.g. 100GiB.")
+@click.option("--slab-bytes", help="Host slab size, e.g. 32MiB.")
+@click.option("--codec", help="Disk codec for new writes (lossless, zstd, raw, fp8, int8, int4).")
+@click.option("--policy", help="Host eviction policy.")
+@click.option("--disk-workers", type=int, help="Encode/decode worker threads.")
+@click.option("--no-disk", is_flag=True, default=None, help="Run without the disk tier.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(config_path: str | None, **flags: Any) -> None:
+    """Run the daemon in the foreground (SIGTERM/SIGINT drain and exit 0)."""
+    if flags.get("no_disk"):
+        flags["no_disk"] = False
+    overrides = {_SERVE_FLAGS[k]: v for k, v in flags.items() if v is not None}
+    cfg = load_config(config_path, overrides=overrides)
+    logging.basicConfig(level=cfg.server.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(0.0005)  # short GIL slices keep request latency low beside encode threads
+    from .server import Server
+
+    sys.exit(Server(cfg).serve())
+
+
+def _client_socket(socket: str | None) -> str:
+    return socket or default_socket()
+
+
+def _request(socket: str | None, op: str, body: dict | None = None) -> dict:
+    """One control request without registering a namespace (stats, ping, health, config)."""
+    import socket as _s
+
+    from . import protocol
+    from .errors import ConnectionFailed, error_from_code
+
+    path = _client_socket(socket)
+    s = _s.socket(_s.AF_UNIX, _s.SOCK_STREAM)
+    s.settimeout(10)
+    try:
+        s.connect(path)
+        s.sendall(protocol.pack(protocol.Op[op], 1, body or {}))
+        _op, status, _rid, reply = protocol.recv_frame(s)
+    except OSError as exc:
+        raise ConnectionFailed(f"cannot reach tierkv at {path}: {exc.strerror or exc}") from None
+    finally:
+        s.close()
+    if status != protocol.STATUS_OK:
+        raise error_from_code(reply.get("code", ""), reply.get("message", "request failed"))
+    return reply
+
+
+@main.command()
+@click.option("--socket", help="Daemon socket path.")
+def ping(socket: str | None) -> None:
+    """Check that the daemon answers; prints the round-trip time."""
+    t0 = time.perf_counter()
+    r = _request(socket, "PING")
+    click.echo(f"pong from pid {r['pid']} in {(time.perf_counter() - t0) * 1e3:.2f} ms")
+
+
+@main.command()
+@click.option("--socket", help="Daemon socket path.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--watch", type=float, default=None, is_flag=False, flag_value=2.0,
+              help="Refresh every N seconds (default 2) until interrupted.")
+def stats(socket: str | None, as_json: bool, watch: float | None) -> None:
+    """Per-tier capacity, usage, hits, misses, bytes, evictions, compression; per-namespace counts."""
+    while True:
+        r = _request(socket, "STATS")
+        if as_json:
+            click.echo(json.dumps(r, sort_keys=True))
+        else:
+            _print_stats(r)
+        if watch is None:
+            return
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return
+        if not as_json:
+            click.clear()
+
+
+def _print_stats(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"tierkv pid {r['pid']}: {r['clients']} clients, {r['leases']} leases, health {r['health']}")
+    cols = ["tier", "capacity", "used", "blocks", "hits", "misses", "in", "out", "evictions", "demotions",
+            "logical", "stored", "ratio", "frag"]
+    for c in cols:
+        t.add_column(c, justify="right" if c != "tier" else "left")
+    for name, d in r["tiers"].items():
+        t.add_row(name, format_size(d["capacity_bytes"]), format_size(d["used_bytes"]), str(d["blocks"]),
+                  str(d["hits"]), str(d["misses"]), format_size(d["bytes_in"]), format_size(d["bytes_out"]),
+                  str(d["evictions"]), str(d["demotions"]), format_size(d["bytes_logical"]),
+                  format_size(d["bytes_stored"]), f"{d['compression_ratio']:.2f}x",
+                  f"{d.get('fragmentation', 0):.1%}" if "fragmentation" in d else "-")
+    console.print(t)
+    if r["namespaces"]:
+        n = Table(title="namespaces")
+        for c in ("fingerprint", "model", "layout", "tp", "blocks"):
+            n.add_column(c)
+        for fp, d in r["namespaces"].items():
+            lo = d["layout"]
+            n.add_row(fp[:12], d["model"], f"{lo['num_layers']}x{lo['num_kv_heads']}x{lo['head_dim']} "
+                      f"T{lo['block_tokens']} {lo['dtype']}", str(d["tp_rank"]), str(d["blocks"]))
+        console.print(n)
+
+
+@main.command()
+@click.option("--socket", help="Daemon socket path.")
+def health(socket: str | None) -> None:
+    """Print ok or degraded (exit 1 when degraded)."""
+    r = _request(socket, "HEALTH")
+    click.echo(r["status"] + (f": {r['reason']}" if r.get("reason") else ""))
+    sys.exit(0 if r["status"] == "ok" else 1)
+
+
+if __name__ == "__main__":
+    main()

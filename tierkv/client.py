@@ -1,0 +1,380 @@
+"""Client library for an inference loop: a convenience layer (put/get) and a zero-copy layer
+(alloc/commit, acquire/release) over the daemon's shared-memory host pool.
+
+Bulk data never crosses the socket. At connect the daemon passes its pool (a memfd) with SCM_RIGHTS;
+the client maps it once and reads or writes block slots in place. The socket carries small, batched
+control frames.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import protocol
+from .config import default_socket
+from .errors import BadRequest, ConnectionFailed, KeyMissing, TierKVError, error_from_code
+from .keys import Namespace, chain_keys
+from .layout import Layout, numpy_view_dtype
+from .protocol import Op
+
+try:  # streaming-store copy (native/ntcopy.c): ~2x numpy for 2 MiB slots on machines like ours
+    from ._ntcopy import copy as _stream_copy
+except ImportError:  # pragma: no cover - the extension is optional
+    def _stream_copy(dst: Any, src: Any) -> None:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Slots:
+    """Host slots allocated for new blocks: write ``views[i]`` in place, then :meth:`commit`.
+
+    Slots that are never committed are given back by :meth:`abort`, on leaving a ``with`` block, or
+    when the connection closes.
+    """
+
+    def __init__(self, client: Client, offsets: list[int]) -> None:
+        self._client = client
+        self.offsets = offsets
+        self.views: list[torch.Tensor] = [client._view(off) for off in offsets]
+        self._open = True
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.views[i]
+
+    def commit(self, keys: Sequence[bytes], durable: bool = False) -> int:
+        """Publish the slots under ``keys``; returns how many were new. See :meth:`Client.commit`."""
+        return self._client.commit(keys, self, durable=durable)
+
+    def abort(self) -> None:
+        """Give the slots back without publishing them."""
+        if self._open and self.offsets:
+            self._open = False
+            self._client._call(Op.ABORT, {"slots": self.offsets})
+        self._open = False
+
+    def __enter__(self) -> Slots:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._open:
+            self.abort()
+
+
+class Lease:
+    """Blocks pinned in host memory for reading in place; release it (or leave the ``with`` block)."""
+
+    def __init__(self, client: Client, lease_id: int, offsets: list[int], tiers: list[str]) -> None:
+        self._client = client
+        self.id = lease_id
+        self.offsets = offsets
+        self.tiers = tiers
+        self.views: list[torch.Tensor] = [client._view(off) for off in offsets]
+        self._held = True
+
+    @property
+    def count(self) -> int:
+        """How many leading blocks are available."""
+        return len(self.offsets)
+
+    def release(self) -> None:
+        """End the lease; the views must not be used afterwards."""
+        if self._held:
+            self._held = False
+            self.views = []
+            self._client._call(Op.RELEASE, {"leases": [self.id]})
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Client:
+    """A connection to the tierkv daemon for one model namespace. Thread-safe (calls are serialised)."""
+
+    def __init__(self, sock: socket.socket, ns: Namespace, pool_fd: int, pool_bytes: int, fingerprint: bytes,
+                 socket_path: str, populate: bool = True) -> None:
+        self._sock = sock
+        self.namespace = ns
+        self.layout = ns.layout
+        self.fingerprint = fingerprint
+        self.socket_path = socket_path
+        self._lock = threading.Lock()
+        self._rid = 0
+        try:
+            # MAP_POPULATE maps every page now, so the hot path takes no page faults on first touch.
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._mm = mmap.mmap(pool_fd, pool_bytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(pool_fd)  # the mapping keeps the memory alive
+        self._pool = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._closed = False
+
+    # ---- connection -------------------------------------------------------------------------------
+    @classmethod
+    def connect(cls, socket: str | os.PathLike | None = None, *, model: str, layout: Layout, tp_rank: int = 0,
+                tp_size: int = 1, timeout: float = 10.0, populate: bool = True) -> Client:
+        """Connect to the daemon and register the namespace.
+
+        Args:
+            socket: the daemon's socket path (default: ``$TIERKV_SOCKET`` or the daemon's default).
+            model: model id; part of the namespace, so blocks are never shared across models.
+            layout: the model's KV geometry.
+            tp_rank: tensor-parallel rank of this engine process.
+            tp_size: tensor-parallel world size.
+            timeout: seconds to wait for the connection.
+            populate: map every page of the pool at connect (no page faults later).
+
+        Raises:
+            ConnectionFailed: no daemon answers at that path.
+            BadRequest: the namespace was refused.
+        """
+        import socket as _socket
+
+        if not isinstance(layout, Layout):
+            raise BadRequest("layout must be a tierkv.Layout")
+        ns = Namespace(model, layout, tp_rank, tp_size)
+        path = str(socket or default_socket())
+        s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+        except OSError as exc:
+            s.close()
+            raise ConnectionFailed(f"cannot reach tierkv at {path}: {exc.strerror or exc}") from None
+        s.settimeout(None)
+        try:
+            s.sendall(protocol.pack(Op.HELLO, 1, {"namespace": ns.to_dict()}))
+            op, status, _rid, body, fds = protocol.recv_frame_with_fds(s)
+        except (OSError, ConnectionError) as exc:
+            s.close()
+            raise ConnectionFailed(f"tierkv at {path} closed the connection: {exc}") from None
+        if status != protocol.STATUS_OK:
+            for fd in fds:
+                os.close(fd)
+            s.close()
+            raise error_from_code(body.get("code", ""), body.get("message", "hello refused"))
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            s.close()
+            raise ConnectionFailed("daemon did not pass its shared-memory pool")
+        return cls(s, ns, fds[0], int(body["pool_bytes"]), bytes(body["fingerprint"]), path, populate)
+
+    def close(self) -> None:
+        """Close the connection; the daemon releases every lease and slot this client held."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.close()
+        finally:
+            self._pool = torch.empty(0, dtype=torch.uint8)
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with the last reference
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, op: Op, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if self._closed:
+                raise ConnectionFailed("client is closed")
+            self._rid = (self._rid + 1) & 0xFFFFFFFF
+            try:
+                self._sock.sendall(protocol.pack(op, self._rid, body))
+                rop, status, rid, reply = protocol.recv_frame(self._sock)
+            except (OSError, ConnectionError) as exc:
+                raise ConnectionFailed(f"connection to tierkv lost: {exc}") from None
+        if status != protocol.STATUS_OK:
+            reply = reply or {}
+            raise error_from_code(str(reply.get("code", "")), str(reply.get("message", "request failed")))
+        if rid != self._rid or rop != op:
+            raise TierKVError("reply does not match the request (protocol desynchronised)")
+        return reply or {}
+
+    def _view(self, offset: int) -> torch.Tensor:
+        n = self.layout.block_bytes
+        return self._pool[offset:offset + n].view(self.layout.torch_dtype).view(self.layout.block_shape)
+
+    # ---- keys -------------------------------------------------------------------------------------
+    def block_keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                   parent: bytes | None = None) -> list[bytes]:
+        """Chained keys of the full blocks of ``token_ids`` (a trailing partial block has no key)."""
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.detach().cpu().numpy()
+        return chain_keys(self.fingerprint, token_ids, self.layout.block_tokens, parent)
+
+    # ---- convenience layer ------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor | np.ndarray, durable: bool = False) -> int:
+        """Store blocks ``[n, 2, layers, kv_heads, block_tokens, head_dim]`` under ``keys``.
+
+        Returns once committed (with ``durable=True``: once synced to the disk tier, which survives a
+        ``kill -9`` of the daemon). Keys already cached are deduplicated (their data is not copied).
+
+        Returns:
+            How many blocks were new.
+        """
+        keys = _check_keys(keys)
+        src = self._check_blocks(blocks, len(keys))
+        if not keys:
+            return 0
+        offsets = self._call(Op.ALLOC, {"n": len(keys), "keys": keys})["slots"]
+        new_keys, new_slots = [], []
+        try:
+            for i, off in enumerate(offsets):
+                if off is None:
+                    continue
+                _stream_copy(self._pool[off:off + self.layout.block_bytes].numpy(), _as_bytes(src[i]))
+                new_keys.append(keys[i])
+                new_slots.append(off)
+        except BaseException:
+            self._call(Op.ABORT, {"slots": [o for o in offsets if o is not None]})
+            raise
+        if not new_slots and not durable:
+            return 0
+        return int(self._call(Op.COMMIT, {"keys": new_keys, "slots": new_slots, "durable": durable})["new"])
+
+    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks under ``keys`` as one tensor (promoting from disk as needed).
+
+        Raises:
+            KeyMissing: a block is not cached (the message says which index is the first missing).
+        """
+        keys = _check_keys(keys)
+        shape = self.layout.batch_shape(len(keys))
+        if out is None:
+            out = torch.empty(shape, dtype=self.layout.torch_dtype)
+        elif tuple(out.shape) != shape or out.dtype != self.layout.torch_dtype or not out.is_contiguous():
+            raise BadRequest(f"out must be a contiguous {self.layout.dtype} tensor of shape {shape}")
+        if not keys:
+            return out
+        with self.acquire(keys) as lease:
+            if lease.count < len(keys):
+                raise KeyMissing(f"{len(keys) - lease.count} of {len(keys)} blocks are not cached "
+                                 f"(first missing at index {lease.count})")
+            n = self.layout.block_bytes
+            for i, off in enumerate(lease.offsets):
+                _stream_copy(_as_bytes(out[i]), self._pool[off:off + n].numpy())
+        return out
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of ``keys`` are cached in any tier."""
+        return int(self._call(Op.LOOKUP, {"keys": _check_keys(keys)})["count"])
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier of each leading cached block ("host", "disk"); its length is :meth:`lookup`'s count."""
+        return list(self._call(Op.LOOKUP, {"keys": _check_keys(keys)})["tiers"])
+
+    # ---- zero-copy layer --------------------------------------------------------------------------
+    def alloc(self, n: int) -> Slots:
+        """Allocate ``n`` host slots to write new blocks into, in place (``slots.views[i]``)."""
+        if not isinstance(n, int) or n < 0:
+            raise BadRequest("n must be a non-negative int")
+        return Slots(self, self._call(Op.ALLOC, {"n": n})["slots"])
+
+    def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False) -> int:
+        """Publish written slots under ``keys`` (immutable from now on); duplicates are deduplicated.
+
+        Returns:
+            How many blocks were new.
+        """
+        keys = _check_keys(keys)
+        if not isinstance(slots, Slots) or not slots._open:
+            raise BadRequest("slots must be an uncommitted Slots from alloc()")
+        if len(keys) != len(slots):
+            raise BadRequest(f"{len(keys)} keys for {len(slots)} slots")
+        slots._open = False
+        return int(self._call(Op.COMMIT, {"keys": keys, "slots": slots.offsets, "durable": durable})["new"])
+
+    def acquire(self, keys: Sequence[bytes]) -> Lease:
+        """Lease the longest cached prefix of ``keys`` in host memory (promoting from disk); read
+        ``lease.views`` in place, then release. ``lease.count`` may be less than ``len(keys)``."""
+        r = self._call(Op.ACQUIRE, {"keys": _check_keys(keys)})
+        return Lease(self, int(r["lease"]), list(r["slots"]), list(r["tiers"]))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Drop blocks from every tier (an invalidation); leased blocks are kept. Returns blocks dropped."""
+        return int(self._call(Op.DELETE, {"keys": _check_keys(keys)})["deleted"])
+
+    def release(self, lease: Lease) -> None:
+        """End a lease (same as ``lease.release()``)."""
+        lease.release()
+
+    # ---- hints and introspection ------------------------------------------------------------------
+    def touch(self, keys: Sequence[bytes], scores: Sequence[float]) -> int:
+        """Report attention mass per block (1.0 = uniform) for placement; returns blocks found."""
+        keys = _check_keys(keys)
+        scores = [float(x) for x in scores]
+        if len(scores) != len(keys):
+            raise BadRequest("scores must be as long as keys")
+        return int(self._call(Op.TOUCH, {"keys": keys, "scores": scores})["touched"])
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's figures: per tier capacity, usage, hits, misses, bytes, evictions, ..."""
+        return self._call(Op.STATS, {})
+
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "degraded", "reason": ...}``."""
+        return self._call(Op.HEALTH, {})
+
+    def ping(self) -> dict[str, Any]:
+        """Round trip to the daemon."""
+        return self._call(Op.PING, {})
+
+    # ---- validation -------------------------------------------------------------------------------
+    def _check_blocks(self, blocks: torch.Tensor | np.ndarray, n: int) -> torch.Tensor:
+        shape = self.layout.batch_shape(n)
+        if isinstance(blocks, np.ndarray):
+            want = numpy_view_dtype(self.layout.dtype)
+            if blocks.dtype != want:
+                raise BadRequest(f"blocks dtype {blocks.dtype} does not match the layout ({self.layout.dtype}"
+                                 f"{', as raw uint16 in numpy' if self.layout.dtype == 'bfloat16' else ''})")
+            t = torch.from_numpy(np.ascontiguousarray(blocks))
+            if self.layout.dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+                t = t.view(self.layout.torch_dtype)
+        elif isinstance(blocks, torch.Tensor):
+            t = blocks
+            if t.dtype != self.layout.torch_dtype:
+                raise BadRequest(f"blocks dtype {t.dtype} does not match the layout ({self.layout.dtype})")
+            if t.device.type != "cpu":
+                t = t.cpu()
+        else:
+            raise BadRequest("blocks must be a torch tensor or numpy array")
+        if tuple(t.shape) != shape:
+            raise BadRequest(f"blocks have shape {tuple(t.shape)}; expected {shape} "
+                             "[n, 2, layers, kv_heads, block_tokens, head_dim]")
+        return t.contiguous()
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    if isinstance(keys, bytes | str):
+        raise BadRequest("keys must be a sequence of bytes keys, not a single key")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, bytes) or not (1 <= len(k) <= 128):
+            raise BadRequest("each key must be 1..128 bytes")
+    if len(set(out)) != len(out):
+        raise BadRequest("keys contain duplicates")
+    return out

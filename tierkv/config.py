@@ -1,0 +1,226 @@
+"""Settings: a dataclass per component. Precedence: defaults < TOML file < ``TIERKV_*`` env < CLI flags.
+
+Every field is documented; ``validate()`` raises ``ValueError`` with the offending key. ``Config.sources``
+records where each effective value came from (shown by ``tierkv config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_type_hints
+
+from .units import parse_size
+
+
+def default_runtime_dir() -> Path:
+    """Where the daemon's socket lives by default: ``$XDG_RUNTIME_DIR/tierkv`` or ``/tmp/tierkv-<uid>``."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(base) / "tierkv" if base else Path(f"/tmp/tierkv-{os.getuid()}")
+
+
+def default_socket() -> str:
+    """The socket path clients and the daemon use when none is given (``TIERKV_SOCKET`` overrides)."""
+    return os.environ.get("TIERKV_SOCKET") or str(default_runtime_dir() / "tierkv.sock")
+
+
+@dataclass
+class ServerConfig:
+    """The daemon process."""
+
+    socket: str = ""
+    """Unix socket path (0600 in a 0700 directory); empty means the default path."""
+    data_dir: str = ".tierkv"
+    """Directory for the disk tier (created 0700; refused if a symlink or writable by others)."""
+    allow_uids: list[int] = field(default_factory=list)
+    """Extra uids allowed to connect besides the daemon's own (checked with SO_PEERCRED)."""
+    max_frame_bytes: int = 16 << 20
+    """Largest control frame accepted; checked before allocating."""
+    max_clients: int = 256
+    """Connections above this are refused."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: how long to wait for in-flight writes and the shutdown flush."""
+    flush_on_shutdown: bool = True
+    """On SIGTERM, write host-tier blocks that are not yet on disk to the disk tier (a warm next start)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Daemon log level (logs go to stderr)."""
+
+
+@dataclass
+class HostConfig:
+    """The host-memory tier: one shared-memory pool (memfd) split into slabs of fixed-size slots."""
+
+    capacity: int = 1 << 30
+    """Bytes of shared memory for block slots."""
+    slab_bytes: int = 32 << 20
+    """Slab size; a namespace's slot must fit in one slab. Slabs move between slot sizes as needed."""
+    high_watermark: float = 0.95
+    """Start demoting to disk when used/capacity exceeds this."""
+    low_watermark: float = 0.85
+    """Demote until used/capacity falls below this."""
+    prefault: bool = True
+    """Allocate the pool's memory at start (fails early if memory is short; no page faults later)."""
+    policy: str = "lru"
+    """Eviction policy for this tier."""
+
+
+@dataclass
+class DiskConfig:
+    """The disk tier: one LMDB environment in the data directory."""
+
+    enabled: bool = True
+    """Turn the disk tier off to run host-only."""
+    capacity: int = 16 << 30
+    """Bytes of stored (encoded) blocks; the LMDB map is sized from this."""
+    codec: str = "lossless"
+    """Codec for new writes (old blocks stay readable after a change)."""
+    codec_level: int = 1
+    """zstd level used by the codec."""
+    high_watermark: float = 0.95
+    """Drop least-recently-used blocks when used/capacity exceeds this."""
+    low_watermark: float = 0.90
+    """Drop until used/capacity falls below this."""
+    workers: int = 2
+    """Encode/decode worker threads (zstd releases the GIL)."""
+    sync: bool = True
+    """fsync each write transaction (required for durable acknowledgements)."""
+    write_batch: int = 32
+    """Most blocks written in one LMDB transaction."""
+    policy: str = "lru"
+    """Eviction policy for this tier."""
+
+
+@dataclass
+class Config:
+    """All settings of one daemon."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    disk: DiskConfig = field(default_factory=DiskConfig)
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    SECTIONS = ("server", "host", "disk")
+
+    @property
+    def socket_path(self) -> str:
+        """The effective socket path."""
+        return self.server.socket or default_socket()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        h, d, s = self.host, self.disk, self.server
+        if h.capacity <= 0:
+            raise ValueError("host.capacity must be > 0")
+        if h.slab_bytes < 4096 or h.slab_bytes > h.capacity:
+            raise ValueError("host.slab_bytes must be between 4 KiB and host.capacity")
+        for name, lo, hi in (("host", h.low_watermark, h.high_watermark), ("disk", d.low_watermark, d.high_watermark)):
+            if not (0 < lo <= hi <= 1):
+                raise ValueError(f"{name} watermarks must satisfy 0 < low <= high <= 1")
+        if d.enabled and d.capacity < (1 << 20):
+            raise ValueError("disk.capacity must be at least 1 MiB")
+        if d.workers < 1 or d.workers > 64:
+            raise ValueError("disk.workers must be between 1 and 64")
+        if d.write_batch < 1:
+            raise ValueError("disk.write_batch must be >= 1")
+        if s.max_frame_bytes < 4096:
+            raise ValueError("server.max_frame_bytes must be >= 4096")
+        if s.drain_timeout_s < 0:
+            raise ValueError("server.drain_timeout_s must be >= 0")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Effective settings as nested plain dicts."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS}
+
+    def set(self, dotted: str, value: Any, source: str) -> None:
+        """Set ``section.key`` from a string or typed value, converting to the field's type."""
+        section, _, key = dotted.partition(".")
+        if section not in self.SECTIONS or not key:
+            raise ValueError(f"unknown setting {dotted!r} (sections: {', '.join(self.SECTIONS)})")
+        obj = getattr(self, section)
+        hints = get_type_hints(type(obj))
+        if key not in hints:
+            raise ValueError(f"unknown setting {dotted!r}; {section} has: {', '.join(hints)}")
+        setattr(obj, key, _convert(dotted, hints[key], value, key))
+        self.sources[dotted] = source
+
+
+_SIZE_KEYS = {"capacity", "slab_bytes", "max_frame_bytes"}
+
+
+def _convert(name: str, typ: Any, value: Any, key: str) -> Any:
+    try:
+        if key in _SIZE_KEYS:
+            return parse_size(value)
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"expected a boolean, got {value!r}")
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError("expected an integer")
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError("expected a string")
+            return value
+        if getattr(typ, "__origin__", None) is Literal:
+            if value not in get_args(typ):
+                raise ValueError(f"expected one of {get_args(typ)}")
+            return value
+        if getattr(typ, "__origin__", None) is list:
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()]
+            return [int(v) for v in value]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad value for {name}: {value!r} ({exc})") from None
+    raise ValueError(f"cannot set {name}")
+
+
+def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """Build the effective config: defaults < TOML ``path`` < ``TIERKV_SECTION_KEY`` env < ``overrides``.
+
+    Args:
+        path: a TOML file with ``[server]``, ``[host]``, ``[disk]`` tables (optional).
+        env: environment to read (``os.environ`` by default), e.g. ``TIERKV_HOST_CAPACITY=8GiB``.
+        overrides: dotted keys to values, e.g. ``{"host.capacity": "8GiB"}`` (from CLI flags).
+    """
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read config {p}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"bad TOML in {p}: {exc}") from None
+        for section, table in data.items():
+            if section not in cfg.SECTIONS or not isinstance(table, dict):
+                raise ValueError(f"{p}: unknown section [{section}]")
+            for key, value in table.items():
+                cfg.set(f"{section}.{key}", value, f"file:{p}")
+    env = os.environ if env is None else env
+    for name, value in env.items():
+        if not name.startswith("TIERKV_"):
+            continue
+        rest = name[len("TIERKV_"):].lower()
+        section, _, key = rest.partition("_")
+        if section in cfg.SECTIONS and key:
+            cfg.set(f"{section}.{key}", value, f"env:{name}")
+    if "TIERKV_SOCKET" in env and "server.socket" not in cfg.sources:
+        cfg.set("server.socket", env["TIERKV_SOCKET"], "env:TIERKV_SOCKET")
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            cfg.set(dotted, value, "flag")
+    cfg.validate()
+    return cfg

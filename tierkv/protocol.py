@@ -1,0 +1,130 @@
+"""Wire protocol: versioned, length-prefixed frames over a Unix socket; msgpack bodies, never pickle.
+
+Frame = 16-byte header + body::
+
+    magic b"TK" | version u8 | flags u8 | opcode u16 | status u16 | request id u32 | body length u32
+
+The body length is checked against the cap *before* anything is allocated. Requests carry status 0;
+replies echo the opcode and request id with status 0 (body = result map) or 1 (body = ``{code, message}``).
+Bulk data never travels here: blocks live in shared memory and frames carry slot offsets.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+
+MAGIC = b"TK"
+VERSION = 1
+HEADER = struct.Struct("<2sBBHHII")
+HEADER_BYTES = HEADER.size
+DEFAULT_MAX_FRAME = 16 << 20
+STATUS_OK = 0
+STATUS_ERROR = 1
+
+
+class Op(enum.IntEnum):
+    """Opcodes. Numbers are part of the wire format: never reuse one."""
+
+    PING = 1
+    HELLO = 2
+    ALLOC = 3
+    COMMIT = 4
+    ABORT = 5
+    LOOKUP = 6
+    ACQUIRE = 7
+    RELEASE = 8
+    STATS = 9
+    TOUCH = 10
+    PREFETCH = 11
+    TUNE = 12
+    CONFIG = 13
+    HEALTH = 14
+    PIN = 15
+    DELETE = 16
+
+
+def pack(op: int, rid: int, body: Any, status: int = STATUS_OK) -> bytes:
+    """Encode one frame."""
+    payload = msgpack.packb(body, use_bin_type=True)
+    return HEADER.pack(MAGIC, VERSION, 0, op, status, rid & 0xFFFFFFFF, len(payload)) + payload
+
+
+def parse_header(buf: bytes, max_frame: int) -> tuple[int, int, int, int]:
+    """Validate a header; return (opcode, status, request id, body length). Raises ProtocolError."""
+    magic, version, _flags, op, status, rid, length = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic (not a tierkv client?)")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
+    return op, status, rid, length
+
+
+def unpack_body(payload: bytes | memoryview, max_frame: int) -> Any:
+    """Decode a msgpack body with limits (no ext types, string keys only)."""
+    try:
+        # The frame length was capped before reading; msgpack bounds every container by it as well.
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True, ext_hook=_no_ext)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable frame body: {type(exc).__name__}") from None
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Read exactly ``n`` bytes or raise ConnectionError on EOF."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return buf
+
+
+def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[int, int, int, Any]:
+    """Read one frame; return (opcode, status, request id, body)."""
+    op, status, rid, length = parse_header(bytes(recv_exact(sock, HEADER_BYTES)), max_frame)
+    body = unpack_body(recv_exact(sock, length), max_frame) if length else None
+    return op, status, rid, body
+
+
+def recv_frame_with_fds(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME,
+                        maxfds: int = 4) -> tuple[int, int, int, Any, list[int]]:
+    """Like :func:`recv_frame` but also collects file descriptors passed with SCM_RIGHTS."""
+    fds: list[int] = []
+    head = bytearray()
+    while len(head) < HEADER_BYTES:
+        data, got_fds, _flags, _addr = socket.recv_fds(sock, HEADER_BYTES - len(head), maxfds)
+        fds.extend(got_fds)
+        if not data:
+            for fd in fds:
+                _close_quietly(fd)
+            raise ConnectionError("peer closed the connection")
+        head += data
+    op, status, rid, length = parse_header(bytes(head), max_frame)
+    body = unpack_body(recv_exact(sock, length), max_frame) if length else None
+    return op, status, rid, body, fds
+
+
+def _close_quietly(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,375 @@
+"""The daemon: accept loop, per-connection dispatch, lifecycle and signals.
+
+Lifecycle in the style of uvicorn: ``Config`` -> ``Server.serve()`` -> start-up (check paths, create the
+pool, open LMDB, bind the socket) -> accept loop -> graceful shutdown on SIGTERM/SIGINT (stop accepting,
+finish in-flight writes, flush, close LMDB, release shared memory, remove the socket); a second signal
+forces exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import protocol
+from .block_table import BlockTable, Session, validate_keys
+from .config import Config
+from .errors import BadRequest, PermissionDenied, ProtocolError, TierKVError
+from .keys import Namespace
+from .protocol import Op
+from .stats import tier_snapshot
+
+log = logging.getLogger("tierkv.server")
+_UCRED = struct.Struct("3i")
+
+
+def check_private_dir(path: Path, create: bool = True) -> None:
+    """Create ``path`` 0700 or verify an existing one: not a symlink, ours, not writable by others."""
+    if path.is_symlink():
+        raise PermissionDenied(f"{path} is a symlink; refusing to use it")
+    if not path.exists():
+        if not create:
+            raise PermissionDenied(f"{path} does not exist")
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionDenied(f"{path} is not a directory")
+    if st.st_uid != os.getuid():
+        raise PermissionDenied(f"{path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
+    if st.st_mode & 0o022:
+        raise PermissionDenied(f"{path} is writable by group or others (mode {oct(st.st_mode & 0o777)})")
+
+
+class Server:
+    """One tierkv daemon."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.socket_path = Path(cfg.socket_path)
+        self.data_dir = Path(cfg.server.data_dir)
+        self.table: BlockTable | None = None
+        self._listener: socket.socket | None = None
+        self._stop = threading.Event()
+        self._conns: dict[int, tuple[socket.socket, Session]] = {}
+        self._conn_lock = threading.Lock()
+        self._session_ids = 0
+        self._inflight = 0
+        self._signals = 0
+        self.started = time.time()
+        self.requests = 0
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def serve(self) -> int:
+        """Run until SIGTERM/SIGINT; returns the exit code."""
+        self._install_signals()
+        self.startup()
+        try:
+            self._accept_loop()
+        finally:
+            self.shutdown()
+        return 0
+
+    def startup(self) -> None:
+        """Check paths, create tiers and bind the socket."""
+        check_private_dir(self.data_dir)
+        check_private_dir(self.socket_path.parent)
+        self.table = BlockTable(self.cfg, str(self.data_dir))
+        if self.socket_path.exists() or self.socket_path.is_symlink():
+            if not stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                raise PermissionDenied(f"{self.socket_path} exists and is not a socket")
+            if _socket_alive(self.socket_path):
+                raise TierKVError(f"another daemon is listening on {self.socket_path}")
+            self.socket_path.unlink()
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is created 0600: no window with wider permissions
+        try:
+            lst.bind(str(self.socket_path))
+        finally:
+            os.umask(old)
+        lst.listen(128)
+        lst.settimeout(0.2)
+        self._listener = lst
+        t = self.table
+        log.info("tierkv ready: socket %s, host %d MiB, disk %s, %d blocks on disk", self.socket_path,
+                 t.host.capacity >> 20, f"{t.disk.capacity >> 20} MiB" if t.disk else "off",
+                 sum(1 for b in t.blocks.values() if b.on_disk))
+        print(f"tierkv: ready on {self.socket_path}", file=sys.stderr, flush=True)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("accept failed: %s", exc)
+                time.sleep(0.05)
+                continue
+            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True, name="tierkv-conn").start()
+
+    def shutdown(self) -> None:
+        """Drain and release everything; idempotent."""
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+        deadline = time.monotonic() + self.cfg.server.drain_timeout_s
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._conn_lock:
+            conns = list(self._conns.values())
+        for sock, _ in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self.table is not None:
+            if self.cfg.server.flush_on_shutdown:
+                n = self.table.flush(max(0.0, deadline - time.monotonic()))
+                log.info("flushed %d blocks to disk", n)
+            self.table.close(max(1.0, deadline - time.monotonic()))
+            self.table = None
+        log.info("tierkv stopped")
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, _frame: Any) -> None:
+            self._signals += 1
+            if self._signals > 1:
+                os._exit(1)  # second signal: the operator wants out now
+            log.info("signal %d: draining", signum)
+            self._stop.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def request_stop(self) -> None:
+        """Ask the accept loop to stop (as SIGTERM does)."""
+        self._stop.set()
+
+    # ---- connections ------------------------------------------------------------------------------
+    def _peer_allowed(self, conn: socket.socket) -> bool:
+        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if uid == os.getuid() or uid in self.cfg.server.allow_uids:
+            return True
+        log.warning("refused connection from pid %d uid %d", pid, uid)
+        return False
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        # Credentials are checked before a single byte of the request is parsed.
+        if not self._peer_allowed(conn) or len(self._conns) >= self.cfg.server.max_clients:
+            conn.close()
+            return
+        with self._conn_lock:
+            self._session_ids += 1
+            session = Session(self._session_ids)
+            self._conns[session.id] = (conn, session)
+        max_frame = self.cfg.server.max_frame_bytes
+        try:
+            while not self._stop.is_set():
+                try:
+                    op, status, rid, body = protocol.recv_frame(conn, max_frame)
+                except ProtocolError as exc:
+                    self._send_error(conn, 0, 0, exc)
+                    return
+                except (ConnectionError, OSError):
+                    return
+                if status != protocol.STATUS_OK:
+                    self._send_error(conn, op, rid, ProtocolError("requests must carry status 0"))
+                    return
+                self._inflight += 1
+                try:
+                    self._dispatch(conn, session, op, rid, body)
+                finally:
+                    self._inflight -= 1
+        finally:
+            with self._conn_lock:
+                self._conns.pop(session.id, None)
+            if self.table is not None:
+                self.table.close_session(session)
+            conn.close()
+
+    def _dispatch(self, conn: socket.socket, s: Session, op: int, rid: int, body: Any) -> None:
+        self.requests += 1
+        try:
+            try:
+                op = Op(op)
+            except ValueError:
+                raise BadRequest(f"unknown opcode {op}") from None
+            handler = getattr(self, f"_op_{op.name.lower()}")
+            if body is not None and not isinstance(body, dict):
+                raise BadRequest("request body must be a map")
+            s.rid = rid
+            result = handler(conn, s, body or {})
+        except TierKVError as exc:
+            self._send_error(conn, op, rid, exc)
+            return
+        except Exception as exc:
+            log.exception("request %s failed", op)
+            self._send_error(conn, op, rid, TierKVError(f"internal error: {type(exc).__name__}: {exc}"))
+            return
+        if result is not _SENT:
+            conn.sendall(protocol.pack(op, rid, result))
+
+    def _send_error(self, conn: socket.socket, op: int, rid: int, exc: TierKVError) -> None:
+        try:
+            conn.sendall(protocol.pack(int(op), rid, {"code": exc.code, "message": str(exc)}, protocol.STATUS_ERROR))
+        except OSError:
+            pass
+
+    # ---- operations -------------------------------------------------------------------------------
+    def _op_ping(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        return {"pong": True, "pid": os.getpid(), "version": protocol.VERSION}
+
+    def _op_hello(self, conn: socket.socket, s: Session, body: dict) -> Any:
+        assert self.table is not None
+        try:
+            ns = Namespace.from_dict(body.get("namespace") or {})
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        self.table.register(s, ns)
+        pool = self.table.host
+        reply = protocol.pack(Op.HELLO, s.rid, {"fingerprint": ns.fingerprint, "pool_bytes": pool.capacity,
+                                                "session": s.id, "pid": os.getpid()})
+        # The reply carries the pool's memfd (SCM_RIGHTS): no named shared memory exists to leak.
+        socket.send_fds(conn, [reply], [pool.fd])
+        return _SENT
+
+    def _op_alloc(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        keys = body.get("keys")
+        if keys is not None:
+            keys = validate_keys(keys)
+        n = body.get("n", len(keys) if keys is not None else 0)
+        return {"slots": self.table.alloc(s, n, keys)}
+
+    def _op_commit(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        keys = validate_keys(body.get("keys"))
+        slots = body.get("slots")
+        if not isinstance(slots, list):
+            raise BadRequest("slots must be a list")
+        return {"new": self.table.commit(s, keys, slots, bool(body.get("durable", False)))}
+
+    def _op_abort(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        slots = body.get("slots")
+        if not isinstance(slots, list):
+            raise BadRequest("slots must be a list")
+        self.table.abort(s, slots)
+        return {}
+
+    def _op_lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        tiers = self.table.lookup(s, validate_keys(body.get("keys")))
+        return {"count": len(tiers), "tiers": tiers}
+
+    def _op_acquire(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        lease, slots, tiers = self.table.acquire(s, validate_keys(body.get("keys")))
+        return {"lease": lease, "slots": slots, "tiers": tiers}
+
+    def _op_release(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        leases = body.get("leases")
+        if not isinstance(leases, list) or not all(isinstance(x, int) for x in leases):
+            raise BadRequest("leases must be a list of ints")
+        self.table.release(s, leases)
+        return {}
+
+    def _op_delete(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        return {"deleted": self.table.delete(s, validate_keys(body.get("keys")))}
+
+    def _op_touch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        keys = validate_keys(body.get("keys"))
+        scores = body.get("scores")
+        if not isinstance(scores, list) or len(scores) != len(keys):
+            raise BadRequest("scores must be a list as long as keys")
+        try:
+            scores = [float(x) for x in scores]
+        except (TypeError, ValueError):
+            raise BadRequest("scores must be numbers") from None
+        return {"touched": self.table.touch(s, keys, scores)}
+
+    def _op_stats(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        return self.stats()
+
+    def _op_health(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        return {"status": "degraded" if self.table.degraded else "ok", "reason": self.table.degraded}
+
+    def _op_config(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        return {"settings": self.cfg.to_dict(), "sources": dict(self.cfg.sources)}
+
+    def stats(self) -> dict:
+        """The snapshot behind ``tierkv stats``."""
+        t = self.table
+        assert t is not None
+        with t.lock:
+            host_blocks = [b for b in t.blocks.values() if b.host_off is not None]
+            live = sum(b.nbytes for b in host_blocks)
+            disk_blocks = sum(1 for b in t.blocks.values() if b.on_disk)
+            leases = sum(b.leases for b in t.blocks.values())
+            tiers = {
+                "host": tier_snapshot(t.host_stats, capacity=t.host.capacity, used=t.host.used_bytes,
+                                      blocks=len(host_blocks), fragmentation=round(t.host.fragmentation(live), 4),
+                                      slabs={str(k): v for k, v in t.host.slab_usage().items()},
+                                      policy=t.host_policy.name),
+            }
+            tiers["host"]["bytes_logical"] = live
+            tiers["host"]["bytes_stored"] = t.host.used_bytes
+            if t.disk is not None:
+                tiers["disk"] = tier_snapshot(t.disk_stats, capacity=t.disk.capacity, used=t.disk_used,
+                                              blocks=disk_blocks, codec=t.engine.codec, file_bytes=t.disk.file_bytes(),
+                                              readers=t.disk.readers(), policy=t.disk_policy.name)
+            namespaces = {ns.fingerprint.hex(): {"model": ns.model, "layout": ns.layout.to_dict(),
+                                                 "tp_rank": ns.tp_rank, "blocks": t.ns_blocks.get(fp, 0)}
+                          for fp, ns in t.namespaces.items()}
+            return {
+                "pid": os.getpid(),
+                "uptime_s": round(time.time() - self.started, 3),
+                "clients": len(self._conns),
+                "leases": leases,
+                "requests": self.requests,
+                "health": "degraded" if t.degraded else "ok",
+                "tiers": tiers,
+                "namespaces": namespaces,
+                "transfer": {"inflight": t.engine.inflight, "bytes": dict(t.engine.link_bytes),
+                             "seconds": {k: round(v, 4) for k, v in t.engine.link_seconds.items()}},
+            }
+
+
+_SENT = object()
+
+
+def _socket_alive(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.5)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

@@ -1,0 +1,1 @@
+"""Storage tiers, fastest first: gpu, host (memfd slab pool), disk (LMDB), remote (Redis/Valkey)."""

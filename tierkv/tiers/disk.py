@@ -1,0 +1,139 @@
+"""Disk tier: one LMDB environment in the data directory, opened only by the daemon, one writer.
+
+Values are encoded block containers (``tierkv.codecs``): a header with format version, namespace
+fingerprint, codec, raw length and a checksum of the raw bytes, then the payload. The LMDB key is
+``fingerprint + block key``. Every read is verified; a bad value is reported as ``None`` (a miss).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from ..errors import TierFull, TierKVError
+
+PAGE = 4096
+# LMDB needs room beyond the payload bytes (branch pages, free-list, copy-on-write of the last txn).
+MAP_OVERHEAD = 1.25
+MAP_EXTRA = 64 << 20
+
+
+class DiskError(TierKVError):
+    """The disk failed (EIO and friends): the tier is degraded."""
+
+    code = "disk"
+
+
+def stored_size(nbytes: int) -> int:
+    """Bytes a value occupies in LMDB's overflow pages (whole pages plus the page header)."""
+    return (nbytes + 16 + PAGE - 1) // PAGE * PAGE
+
+
+class DiskTier:
+    """The LMDB environment. Thread-safe: LMDB serialises writers; readers run in parallel."""
+
+    def __init__(self, path: Path, capacity: int, sync: bool = True) -> None:
+        self.path = Path(path)
+        self.capacity = capacity
+        self.map_size = int(capacity * MAP_OVERHEAD) + MAP_EXTRA
+        self.sync = sync
+        self.path.mkdir(mode=0o700, exist_ok=True)
+        # writemap stays off: with writemap a full disk turns into SIGBUS instead of an error.
+        self.env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=sync, metasync=sync,
+                             writemap=False, map_async=False, readahead=False, meminit=False, max_readers=256,
+                             max_dbs=0, lock=True, mode=0o600)
+        # Readers of processes killed mid-read leave stale slots; clear them at every start.
+        self.env.reader_check()
+        self._write_lock = threading.Lock()
+        self.fault: Callable[[str], None] | None = None  # test shim: raise OSError(EIO) on "read"/"write"
+
+    def scan(self) -> Iterator[tuple[bytes, memoryview]]:
+        """Every (key, value) pair; values are only valid during iteration."""
+        with self.env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                yield bytes(key), value
+
+    def write(self, puts: list[tuple[bytes, Any]], deletes: list[bytes] = ()) -> None:
+        """Delete then put in one transaction, committed (and synced) before returning.
+
+        Raises:
+            TierFull: the map or the file system is full (nothing of this batch is written).
+            DiskError: an I/O error (nothing of this batch is written).
+        """
+        with self._write_lock:
+            if self.fault:
+                self.fault("write")
+            try:
+                with self.env.begin(write=True) as txn:
+                    for key in deletes:
+                        txn.delete(key)
+                    for key, value in puts:
+                        txn.put(key, value, overwrite=True)
+            except lmdb.MapFullError:
+                raise TierFull("disk tier map is full") from None
+            except lmdb.Error as exc:
+                raise _classify(exc) from None
+            except OSError as exc:
+                raise _classify(exc) from None
+
+    def delete(self, keys: list[bytes]) -> None:
+        """Remove keys (missing keys are ignored)."""
+        if keys:
+            self.write([], keys)
+
+    def read(self, key: bytes, use: Callable[[memoryview], Any]) -> Any:
+        """Call ``use(value)`` on the stored value inside a read transaction; None when absent.
+
+        Raises:
+            DiskError: the read failed with an I/O error.
+        """
+        if self.fault:
+            self.fault("read")
+        try:
+            with self.env.begin(buffers=True) as txn:
+                value = txn.get(key)
+                return None if value is None else use(value)
+        except lmdb.Error as exc:
+            raise _classify(exc) from None
+
+    def file_bytes(self) -> int:
+        """Size of the data file on disk."""
+        try:
+            return os.stat(self.path / "data.mdb").st_size
+        except OSError:
+            return 0
+
+    def readers(self) -> int:
+        """LMDB reader slots in use (for leak checks)."""
+        text = self.env.readers()
+        return max(0, len([ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("pid")]))
+
+    def drop_page_cache(self) -> None:
+        """Ask the kernel to drop cached pages of the data file (benchmarks of cold reads)."""
+        fd = os.open(self.path / "data.mdb", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Sync and close the environment."""
+        try:
+            self.env.sync(True)
+        except lmdb.Error:
+            pass
+        self.env.close()
+
+
+def _classify(exc: Exception) -> TierKVError:
+    err = getattr(exc, "errno", None)
+    text = str(exc)
+    if err in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or "MDB_MAP_FULL" in text:
+        return TierFull(f"disk tier is full: {text}")
+    return DiskError(f"disk tier I/O error: {text}")

@@ -1,0 +1,194 @@
+"""Transfer engine: moves block bytes between tiers as jobs with ids; the block table decides what moves.
+
+Routes by (source tier, destination tier). Host -> disk stores encode on worker threads (zstd releases
+the GIL, so several blocks are in flight) and are written by one writer thread in batched LMDB
+transactions. Disk -> host loads read and decode on their own worker pool, so a load never queues
+behind stores. Only this module (and, later, its CUDA stream handlers) moves bulk bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .codecs import CodecError, decode_block, encode_block
+from .errors import TierKVError
+from .layout import Layout
+from .tiers.disk import DiskError, DiskTier
+
+log = logging.getLogger("tierkv.transfer")
+
+
+@dataclass(slots=True)
+class Move:
+    """One block to move: its LMDB key, the host slot view, and what identifies its bytes."""
+
+    lmdb_key: bytes
+    view: np.ndarray
+    layout: Layout
+    fingerprint: bytes
+    key: bytes
+    ok: bool = False
+    stored_bytes: int = 0
+    error: str = ""
+
+
+@dataclass
+class Job:
+    """A batch of moves; ``done`` is set when every move finished (check each ``Move.ok``)."""
+
+    id: int
+    route: tuple[str, str]
+    moves: list[Move]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: TierKVError | None = None
+    seconds: float = 0.0
+    on_done: Callable[[Job], None] | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job finishes; False on timeout."""
+        return self.done.wait(timeout)
+
+
+class TransferEngine:
+    """Jobs by route: ("host", "disk") stores and ("disk", "host") loads."""
+
+    def __init__(self, disk: DiskTier | None, workers: int = 2, codec: str = "lossless", level: int = 1,
+                 make_room: Callable[[int], list[bytes]] | None = None) -> None:
+        self.disk = disk
+        self.codec = codec
+        self.level = level
+        self._make_room = make_room
+        self._ids = itertools.count(1)
+        self._encode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-encode")
+        self._decode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-decode")
+        self._stores: queue.Queue[Job | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
+        self._writer.start()
+        self.inflight = 0
+        self._lock = threading.Lock()
+        self.link_bytes: dict[str, int] = {"host->disk": 0, "disk->host": 0}
+        self.link_seconds: dict[str, float] = {"host->disk": 0.0, "disk->host": 0.0}
+        self.failures = 0
+
+    # ---- stores: host -> disk -------------------------------------------------------------------
+    def store(self, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
+        """Queue an encode + write of ``moves``; the slots must stay untouched until the job is done."""
+        job = Job(next(self._ids), ("host", "disk"), moves, on_done=on_done)
+        with self._lock:
+            self.inflight += 1
+        self._stores.put(job)
+        return job
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._stores.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                blobs = list(self._encode.map(self._encode_one, job.moves))
+                puts = [(m.lmdb_key, b) for m, b in zip(job.moves, blobs) if b is not None]
+                incoming = sum(len(b) for _, b in puts)
+                deletes = self._make_room(incoming) if self._make_room else []
+                assert self.disk is not None
+                self.disk.write(puts, deletes)
+                for m, b in zip(job.moves, blobs):
+                    m.ok = b is not None
+                    m.stored_bytes = len(b) if b is not None else 0
+                self.link_bytes["host->disk"] += sum(m.view.nbytes for m in job.moves if m.ok)
+            except TierKVError as exc:
+                job.error = exc
+                self.failures += 1
+                log.warning("disk write of %d blocks failed: %s", len(job.moves), exc)
+            except Exception as exc:  # never let the writer thread die
+                job.error = TierKVError(f"disk write failed: {exc}")
+                self.failures += 1
+                log.exception("disk writer")
+            job.seconds = time.perf_counter() - t0
+            self.link_seconds["host->disk"] += job.seconds
+            self._finish(job)
+
+    def _encode_one(self, m: Move) -> bytes | None:
+        try:
+            return encode_block(m.view, layout=m.layout, fingerprint=m.fingerprint, key=m.key, codec=self.codec,
+                                level=self.level)
+        except Exception as exc:
+            m.error = f"encode failed: {exc}"
+            return None
+
+    # ---- loads: disk -> host --------------------------------------------------------------------
+    def load(self, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
+        """Read and decode ``moves`` into their host slots in parallel; a bad value leaves ``ok`` False."""
+        job = Job(next(self._ids), ("disk", "host"), moves, on_done=on_done)
+        with self._lock:
+            self.inflight += 1
+        t0 = time.perf_counter()
+        futures = [self._decode.submit(self._load_one, m) for m in moves]
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_f: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                job.seconds = time.perf_counter() - t0
+                self.link_seconds["disk->host"] += job.seconds
+                self.link_bytes["disk->host"] += sum(m.view.nbytes for m in moves if m.ok)
+                self._finish(job)
+
+        if not futures:
+            self._finish(job)
+        for f in futures:
+            f.add_done_callback(one_done)
+        return job
+
+    def _load_one(self, m: Move) -> None:
+        assert self.disk is not None
+
+        def use(value: memoryview) -> int:
+            decode_block(value, layout=m.layout, fingerprint=m.fingerprint, key=m.key, out=m.view)
+            return len(value)
+
+        try:
+            got = self.disk.read(m.lmdb_key, use)
+            if got is None:
+                m.error = "absent"
+            else:
+                m.stored_bytes = got
+                m.ok = True
+        except CodecError as exc:
+            m.error = f"corrupt: {exc}"
+        except DiskError as exc:
+            m.error = f"io: {exc}"
+        except Exception as exc:
+            m.error = f"load failed: {exc}"
+            log.exception("disk load")
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def _finish(self, job: Job) -> None:
+        with self._lock:
+            self.inflight -= 1
+        if job.on_done:
+            try:
+                job.on_done(job)
+            except Exception:
+                log.exception("job %d completion", job.id)
+        job.done.set()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish queued jobs (bounded by ``timeout``), then stop the threads."""
+        self._stores.put(None)
+        self._writer.join(timeout)
+        self._encode.shutdown(wait=True)
+        self._decode.shutdown(wait=True)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the servers the test suite uses (redis-server, redis-cli) from the system's packages when they
+# are missing and we may install (root with apt-get). Never fails the build: tests that need a missing
+# server skip with a clear reason.
+set -u
+if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
+  exit 0
+fi
+if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "tierkv: installing redis-server for the remote-tier tests"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools) \
+    >/tmp/tierkv-apt.log 2>&1 || echo "tierkv: could not install redis-server (see /tmp/tierkv-apt.log); redis tests will skip"
+  # Debian's package starts a system redis on 6379; the tests start their own servers on free ports.
+  (command -v systemctl >/dev/null 2>&1 && systemctl stop redis-server) >/dev/null 2>&1 || true
+  pkill -x redis-server >/dev/null 2>&1 || true
+else
+  echo "tierkv: redis-server not found and cannot install it here; redis tests will skip"
+fi
+exit 0
