@@ -74,9 +74,8 @@ def validate_keys(keys: object, limit: int = 1 << 16) -> list[bytes]:
         raise BadRequest("keys must be a list of bytes")
     if len(keys) > limit:
         raise BadRequest(f"too many keys in one request ({len(keys)} > {limit})")
-    for k in keys:
-        if not isinstance(k, bytes) or not (1 <= len(k) <= MAX_KEY_BYTES):
-            raise BadRequest(f"each key must be 1..{MAX_KEY_BYTES} bytes")
+    if not all(type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES for k in keys):
+        raise BadRequest(f"each key must be 1..{MAX_KEY_BYTES} bytes")
     return keys
 
 
@@ -107,7 +106,7 @@ class BlockTable:
 
             self.disk = DiskTier(Path(data_dir) / "disk", cfg.disk.capacity, cfg.disk.sync)
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
-                                     make_room=self._make_disk_room)
+                                     make_room=self._make_disk_room, write_batch=cfg.disk.write_batch)
         if self.disk is not None:
             self._scan_disk()
         self._evictor = threading.Thread(target=self._evict_loop, name="tierkv-evictor", daemon=True)

@@ -75,6 +75,7 @@ def main() -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the daemon in the foreground (SIGTERM/SIGINT drain and exit 0)."""
+    _tune_allocator()
     if flags.get("no_disk"):
         flags["no_disk"] = False
     overrides = {_SERVE_FLAGS[k]: v for k, v in flags.items() if v is not None}
@@ -85,6 +86,27 @@ def serve(config_path: str | None, **flags: Any) -> None:
     from .server import Server
 
     sys.exit(Server(cfg).serve())
+
+
+# glibc returns large freed blocks to the OS at once, so every 2 MiB buffer LMDB mallocs for a value is
+# a fresh mmap that page-faults while being filled (measured: LMDB puts 1.8 -> 8.7 GB/s with these).
+# Non-temporal copies from 1 MiB up keep 2 MiB copies at bulk memcpy speed.
+_TUNABLES = ("glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=268435456:"
+             "glibc.cpu.x86_non_temporal_threshold=0x100000")
+
+
+def _tune_allocator() -> None:
+    """Re-exec the daemon once with glibc tunables set (they are read only at process start)."""
+    import os
+
+    if "serve" not in sys.argv[1:] or os.environ.get("TIERKV_NO_REEXEC") or "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return
+    env = dict(os.environ)
+    env["GLIBC_TUNABLES"] = ":".join(x for x in (env.get("GLIBC_TUNABLES", ""), _TUNABLES) if x)
+    env["TIERKV_NO_REEXEC"] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "tierkv", *sys.argv[1:]], env)
 
 
 def _client_socket(socket: str | None) -> str:

@@ -124,6 +124,7 @@ class Client:
         finally:
             os.close(pool_fd)  # the mapping keeps the memory alive
         self._pool = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._reader = protocol.FrameReader(sock)
         self._closed = False
 
     # ---- connection -------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ class Client:
             self._rid = (self._rid + 1) & 0xFFFFFFFF
             try:
                 self._sock.sendall(protocol.pack(op, self._rid, body))
-                rop, status, rid, reply = protocol.recv_frame(self._sock)
+                rop, status, rid, reply = self._reader.read()
             except (OSError, ConnectionError) as exc:
                 raise ConnectionFailed(f"connection to tierkv lost: {exc}") from None
         if status != protocol.STATUS_OK:
@@ -285,7 +286,7 @@ class Client:
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
         """The tier of each leading cached block ("host", "disk"); its length is :meth:`lookup`'s count."""
-        return list(self._call(Op.LOOKUP, {"keys": _check_keys(keys)})["tiers"])
+        return list(self._call(Op.LOOKUP, {"keys": _check_keys(keys), "tiers": True})["tiers"])
 
     # ---- zero-copy layer --------------------------------------------------------------------------
     def alloc(self, n: int) -> Slots:

@@ -103,6 +103,32 @@ def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> tuple
     return op, status, rid, body
 
 
+class FrameReader:
+    """Buffered frame reader: one ``recv`` usually brings a whole small frame (header and body)."""
+
+    def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, bufsize: int = 1 << 16) -> None:
+        self.sock = sock
+        self.max_frame = max_frame
+        self.buf = bytearray()
+        self.bufsize = bufsize
+
+    def _fill(self, n: int) -> None:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(max(self.bufsize, n - len(self.buf)))
+            if not chunk:
+                raise ConnectionError("peer closed the connection")
+            self.buf += chunk
+
+    def read(self) -> tuple[int, int, int, Any]:
+        """Read one frame; return (opcode, status, request id, body)."""
+        self._fill(HEADER_BYTES)
+        op, status, rid, length = parse_header(bytes(self.buf[:HEADER_BYTES]), self.max_frame)
+        self._fill(HEADER_BYTES + length)  # safe: length was checked against the cap above
+        body = unpack_body(bytes(self.buf[HEADER_BYTES:HEADER_BYTES + length]), self.max_frame) if length else None
+        del self.buf[:HEADER_BYTES + length]
+        return op, status, rid, body
+
+
 def recv_frame_with_fds(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME,
                         maxfds: int = 4) -> tuple[int, int, int, Any, list[int]]:
     """Like :func:`recv_frame` but also collects file descriptors passed with SCM_RIGHTS."""

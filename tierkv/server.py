@@ -183,11 +183,11 @@ class Server:
             self._session_ids += 1
             session = Session(self._session_ids)
             self._conns[session.id] = (conn, session)
-        max_frame = self.cfg.server.max_frame_bytes
+        reader = protocol.FrameReader(conn, self.cfg.server.max_frame_bytes)
         try:
             while not self._stop.is_set():
                 try:
-                    op, status, rid, body = protocol.recv_frame(conn, max_frame)
+                    op, status, rid, body = reader.read()
                 except ProtocolError as exc:
                     self._send_error(conn, 0, 0, exc)
                     return
@@ -281,7 +281,7 @@ class Server:
     def _op_lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
         tiers = self.table.lookup(s, validate_keys(body.get("keys")))
-        return {"count": len(tiers), "tiers": tiers}
+        return {"count": len(tiers), "tiers": tiers} if body.get("tiers") else {"count": len(tiers)}
 
     def _op_acquire(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None

@@ -63,8 +63,9 @@ class TransferEngine:
     """Jobs by route: ("host", "disk") stores and ("disk", "host") loads."""
 
     def __init__(self, disk: DiskTier | None, workers: int = 2, codec: str = "lossless", level: int = 1,
-                 make_room: Callable[[int], list[bytes]] | None = None) -> None:
+                 make_room: Callable[[int], list[bytes]] | None = None, write_batch: int = 32) -> None:
         self.disk = disk
+        self.write_batch = write_batch
         self.codec = codec
         self.level = level
         self._make_room = make_room
@@ -96,16 +97,7 @@ class TransferEngine:
                 return
             t0 = time.perf_counter()
             try:
-                blobs = list(self._encode.map(self._encode_one, job.moves))
-                puts = [(m.lmdb_key, b) for m, b in zip(job.moves, blobs) if b is not None]
-                incoming = sum(len(b) for _, b in puts)
-                deletes = self._make_room(incoming) if self._make_room else []
-                assert self.disk is not None
-                self.disk.write(puts, deletes)
-                for m, b in zip(job.moves, blobs):
-                    m.ok = b is not None
-                    m.stored_bytes = len(b) if b is not None else 0
-                self.link_bytes["host->disk"] += sum(m.view.nbytes for m in job.moves if m.ok)
+                self._write_job(job)
             except TierKVError as exc:
                 job.error = exc
                 self.failures += 1
@@ -117,6 +109,22 @@ class TransferEngine:
             job.seconds = time.perf_counter() - t0
             self.link_seconds["host->disk"] += job.seconds
             self._finish(job)
+
+    def _write_job(self, job: Job) -> None:
+        """Encode on the workers while this thread writes: batch i is written as batch i+1 encodes."""
+        assert self.disk is not None
+        futures = [self._encode.submit(self._encode_one, m) for m in job.moves]
+        for i in range(0, len(job.moves), self.write_batch):
+            moves = job.moves[i:i + self.write_batch]
+            blobs = [f.result() for f in futures[i:i + self.write_batch]]
+            puts = [(m.lmdb_key, b) for m, b in zip(moves, blobs) if b is not None]
+            incoming = sum(len(b) for _, b in puts)
+            deletes = self._make_room(incoming) if self._make_room else []
+            self.disk.write(puts, deletes)
+            for m, b in zip(moves, blobs):
+                m.ok = b is not None
+                m.stored_bytes = len(b) if b is not None else 0
+            self.link_bytes["host->disk"] += sum(m.view.nbytes for m in moves if m.ok)
 
     def _encode_one(self, m: Move) -> bytes | None:
         try:

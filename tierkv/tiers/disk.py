@@ -7,6 +7,7 @@ fingerprint, codec, raw length and a checksum of the raw bytes, then the payload
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 
 from ..errors import TierFull, TierKVError
 
@@ -22,6 +24,22 @@ PAGE = 4096
 # LMDB needs room beyond the payload bytes (branch pages, free-list, copy-on-write of the last txn).
 MAP_OVERHEAD = 1.25
 MAP_EXTRA = 64 << 20
+# The data file is preallocated this far ahead of LMDB's last page: extending a file inside an fsynced
+# transaction costs ext4 block allocation and journal work (measured: 0.4 vs 1.0-1.6 GB/s commits).
+GROW_AHEAD = 1 << 30
+_MADV_WILLNEED = 3
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _willneed(value: memoryview) -> None:
+    """Start readahead of a whole value: LMDB maps with MADV_RANDOM, so a cold 2 MiB value would
+    otherwise fault in 4 KiB at a time."""
+    if len(value) < 64 << 10:
+        return
+    addr = np.frombuffer(value, np.uint8).ctypes.data
+    start = addr & ~(PAGE - 1)
+    _libc.madvise(start, addr + len(value) - start, _MADV_WILLNEED)
 
 
 class DiskError(TierKVError):
@@ -51,6 +69,7 @@ class DiskTier:
         # Readers of processes killed mid-read leave stale slots; clear them at every start.
         self.env.reader_check()
         self._write_lock = threading.Lock()
+        self._allocated = self.file_bytes()
         self.fault: Callable[[str], None] | None = None  # test shim: raise OSError(EIO) on "read"/"write"
 
     def scan(self) -> Iterator[tuple[bytes, memoryview]]:
@@ -69,6 +88,7 @@ class DiskTier:
         with self._write_lock:
             if self.fault:
                 self.fault("write")
+            self._grow(sum(len(v) for _, v in puts))
             try:
                 with self.env.begin(write=True) as txn:
                     for key in deletes:
@@ -81,6 +101,21 @@ class DiskTier:
                 raise _classify(exc) from None
             except OSError as exc:
                 raise _classify(exc) from None
+
+    def _grow(self, incoming: int) -> None:
+        """Preallocate the data file ahead of the pages LMDB will use next."""
+        need = self.env.info()["last_pgno"] * PAGE + 2 * incoming + (16 << 20)
+        if need <= self._allocated:
+            return
+        target = min(self.map_size, max(need, self._allocated + min(GROW_AHEAD, self.map_size // 4)))
+        fd = os.open(self.path / "data.mdb", os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.posix_fallocate(fd, 0, target)
+        except OSError as exc:
+            raise _classify(exc) from None
+        finally:
+            os.close(fd)
+        self._allocated = target
 
     def delete(self, keys: list[bytes]) -> None:
         """Remove keys (missing keys are ignored)."""
@@ -98,7 +133,10 @@ class DiskTier:
         try:
             with self.env.begin(buffers=True) as txn:
                 value = txn.get(key)
-                return None if value is None else use(value)
+                if value is None:
+                    return None
+                _willneed(value)
+                return use(value)
         except lmdb.Error as exc:
             raise _classify(exc) from None
 
