@@ -1,0 +1,85 @@
+"""What the policies remember about blocks, including ones that left every tier.
+
+One :class:`History` can be shared by the policies of all tiers and by :class:`Admission`, so a
+block demoted from host to disk keeps its heat and depth, and a block evicted and fetched again
+is recognised (TinyLFU's idea of counting beyond the cache). It is bounded: the least recently
+seen entries are forgotten first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+
+class Record:
+    """Per-block memory: raw use count, decayed frequency, time of last use, depth in its chain."""
+
+    __slots__ = ("count", "freq", "t", "depth")
+
+    def __init__(self, t: float, depth: int = 0) -> None:
+        self.count = 0
+        self.freq = 0.0
+        self.t = t
+        self.depth = depth
+
+
+class History:
+    """A bounded map from block key to :class:`Record`.
+
+    Args:
+        max_entries: records kept; the least recently used beyond this are dropped.
+    """
+
+    def __init__(self, max_entries: int = 1 << 20) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._rec: OrderedDict[Hashable, Record] = OrderedDict()
+
+    def get(self, key: Hashable) -> Record | None:
+        """The record of ``key`` or ``None``; does not refresh it."""
+        return self._rec.get(key)
+
+    def record(self, key: Hashable, now: float, parent: Hashable | None = None) -> Record:
+        """The record of ``key``, created (with its depth from ``parent``) if new; refreshed."""
+        rec = self._rec.get(key)
+        if rec is None:
+            prec = self._rec.get(parent) if parent is not None else None
+            rec = self._rec[key] = Record(now, prec.depth + 1 if prec is not None else 0)
+            if len(self._rec) > self.max_entries:
+                self._rec.popitem(last=False)
+        else:
+            self._rec.move_to_end(key)
+            if parent is not None and rec.depth == 0:
+                prec = self._rec.get(parent)
+                if prec is not None:
+                    rec.depth = prec.depth + 1
+        return rec
+
+    def use(self, key: Hashable, now: float, half_life_s: float, parent: Hashable | None = None) -> Record:
+        """Count one use of ``key`` at ``now``: ``F <- F * 2^(-dt/half_life) + 1``."""
+        rec = self.record(key, now, parent)
+        decayed(rec, now, half_life_s)
+        rec.freq += 1.0
+        rec.count += 1
+        return rec
+
+    def seen(self, key: Hashable) -> int:
+        """How many uses of ``key`` are remembered (0 if none)."""
+        rec = self._rec.get(key)
+        return rec.count if rec is not None else 0
+
+    def __len__(self) -> int:
+        return len(self._rec)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rec
+
+
+def decayed(rec: Record, now: float, half_life_s: float) -> float:
+    """Bring ``rec.freq`` forward to ``now`` (in place) and return it."""
+    if half_life_s > 0 and rec.freq and now > rec.t:
+        rec.freq *= 2.0 ** (-(now - rec.t) / half_life_s)
+    rec.t = max(rec.t, now)
+    return rec.freq
