@@ -104,7 +104,10 @@ class BlockTable:
         if cfg.disk.enabled:
             from pathlib import Path
 
+            from .faults import disk_fault_from_env
+
             self.disk = DiskTier(Path(data_dir) / "disk", cfg.disk.capacity, cfg.disk.sync)
+            self.disk.fault = disk_fault_from_env()
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch)
         if self.disk is not None:
@@ -583,6 +586,42 @@ class BlockTable:
                     if b.on_disk:
                         self._drop_host(b)
             self.changed.notify_all()
+
+    # ---- scrub ------------------------------------------------------------------------------------
+    def verify(self, drop: bool = False) -> dict:
+        """Decode every disk value (header, sizes, checksum); report bad ones and optionally drop them."""
+        if self.disk is None:
+            return {"checked": 0, "bad": [], "dropped": 0}
+        from .codecs import decode_block
+        from .layout import Layout
+
+        bad: list[dict] = []
+        checked = 0
+        for lk, value in self.disk.scan():
+            checked += 1
+            try:
+                h = read_header(value)
+                if bytes(h.fingerprint) != lk[:FINGERPRINT_BYTES]:
+                    raise CodecError("namespace fingerprint differs from the key's")
+                decode_block(value, layout=Layout.from_dict(h.layout), fingerprint=lk[:FINGERPRINT_BYTES],
+                             key=lk[FINGERPRINT_BYTES:])
+            except (CodecError, ValueError) as exc:
+                bad.append({"key": lk.hex(), "error": str(exc)})
+        dropped = 0
+        if drop and bad:
+            keys = [bytes.fromhex(b["key"]) for b in bad]
+            with self.lock:
+                for fk in keys:
+                    b = self.blocks.get(fk)
+                    if b is not None and not b.protected:
+                        if b.on_disk:
+                            self._disk_removed(b)
+                        if b.host_off is None:
+                            self._forget(b)
+                self.disk_stats.corrupt += len(keys)
+            self.disk.delete(keys)
+            dropped = len(keys)
+        return {"checked": checked, "bad": bad, "dropped": dropped}
 
     # ---- shutdown ---------------------------------------------------------------------------------
     def flush(self, timeout: float) -> int:

@@ -48,6 +48,7 @@ class Op(enum.IntEnum):
     HEALTH = 14
     PIN = 15
     DELETE = 16
+    VERIFY = 17
 
 
 def pack(op: int, rid: int, body: Any, status: int = STATUS_OK) -> bytes:

@@ -319,6 +319,10 @@ class Server:
         assert self.table is not None
         return {"status": "degraded" if self.table.degraded else "ok", "reason": self.table.degraded}
 
+    def _op_verify(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        return self.table.verify(bool(body.get("drop", False)))
+
     def _op_config(self, conn: socket.socket, s: Session, body: dict) -> dict:
         return {"settings": self.cfg.to_dict(), "sources": dict(self.cfg.sources)}
 

@@ -86,10 +86,10 @@ class DiskTier:
             DiskError: an I/O error (nothing of this batch is written).
         """
         with self._write_lock:
-            if self.fault:
-                self.fault("write")
-            self._grow(sum(len(v) for _, v in puts))
             try:
+                if self.fault:
+                    self.fault("write")
+                self._grow(sum(len(v) for _, v in puts))
                 with self.env.begin(write=True) as txn:
                     for key in deletes:
                         txn.delete(key)
@@ -128,16 +128,16 @@ class DiskTier:
         Raises:
             DiskError: the read failed with an I/O error.
         """
-        if self.fault:
-            self.fault("read")
         try:
+            if self.fault:
+                self.fault("read")
             with self.env.begin(buffers=True) as txn:
                 value = txn.get(key)
                 if value is None:
                     return None
                 _willneed(value)
                 return use(value)
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             raise _classify(exc) from None
 
     def file_bytes(self) -> int:
