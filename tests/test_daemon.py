@@ -119,10 +119,10 @@ def test_concurrent_clients_other_processes(daemon):
 
 
 def test_eviction_host_to_disk_and_back(daemon_factory):
-    big = tierkv.Layout(4, 4, 64, 16, "bfloat16")  # 128 KiB blocks
-    d = daemon_factory(["--host-capacity", "16MiB", "--slab-bytes", "1MiB"])
+    big = tierkv.Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks
+    d = daemon_factory(["--host-capacity", "16MiB", "--slab-bytes", "1MiB"], env={"TIERKV_DISK_ADMISSION": "all"})
     with d.client(layout=big) as c:
-        n = 300  # 37.5 MiB through a 16 MiB host tier
+        n = 300  # 18.75 MiB through a 16 MiB host tier
         keys = keys_for(c, n, seed=5)
         blocks = rand_blocks(n, big, seed=5)
         for i in range(0, n, 20):
@@ -227,7 +227,7 @@ def test_disk_corruption_is_a_miss(daemon):
 def test_map_full_no_crash(daemon_factory):
     big = tierkv.Layout(4, 4, 64, 16, "bfloat16")
     d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB", "--disk-capacity", "2MiB",
-                        "--codec", "raw"])
+                        "--codec", "raw"], env={"TIERKV_DISK_ADMISSION": "all"})
     with d.client(layout=big) as c:
         keys = keys_for(c, 120, seed=11)
         blocks = rand_blocks(120, big, seed=11)

@@ -42,10 +42,12 @@ class Block:
     loading: threading.Event | None = None  # set when a disk -> host load finishes
     load_failed: bool = False
     hits: int = 0
+    pin: int = 0                   # retention priority of a pinned prefix (0 = not pinned)
+    mass: float = 1.0              # last attention mass a client reported (1.0 = uniform)
 
     @property
     def protected(self) -> bool:
-        return self.leases > 0 or self.writing or self.loading is not None
+        return self.leases > 0 or self.writing or self.loading is not None or self.pin > 0
 
 
 @dataclass
@@ -90,8 +92,12 @@ class BlockTable:
         self.namespaces: dict[bytes, Namespace] = {}
         self.ns_blocks: dict[bytes, int] = {}
         self.host = HostPool(cfg.host.capacity, cfg.host.slab_bytes, cfg.host.prefault)
-        self.host_policy = make_policy(cfg.host.policy)
-        self.disk_policy = make_policy(cfg.disk.policy)
+        self.host_policy = make_policy(cfg.host.policy, **cfg.policy_settings(cfg.host.policy))
+        self.disk_policy = make_policy(cfg.disk.policy, **cfg.policy_settings(cfg.disk.policy))
+        self.host_limit = self.host.capacity  # effective capacity: `tune host.capacity` can lower it
+        self.pinned_bytes = 0
+        self.admitted = 0
+        self.rejected = 0
         self.host_stats = TierCounters()
         self.disk_stats = TierCounters()
         self.disk: DiskTier | None = None
@@ -109,7 +115,8 @@ class BlockTable:
             self.disk = DiskTier(Path(data_dir) / "disk", cfg.disk.capacity, cfg.disk.sync)
             self.disk.fault = disk_fault_from_env()
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
-                                     make_room=self._make_disk_room, write_batch=cfg.disk.write_batch)
+                                     make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
+                                     budgets={"host<->disk": cfg.budget.host_disk or None})
         if self.disk is not None:
             self._scan_disk()
         self._evictor = threading.Thread(target=self._evict_loop, name="tierkv-evictor", daemon=True)
@@ -170,8 +177,8 @@ class BlockTable:
         if not isinstance(n, int) or n < 0:
             raise BadRequest("n must be a non-negative int")
         slot = slot_size_for(ns.layout.block_bytes)
-        if n * slot > self.host.capacity:
-            raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({self.host.capacity} bytes)")
+        if n * slot > self.host_limit:
+            raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({self.host_limit} bytes)")
         if keys is not None and len(keys) != n:
             raise BadRequest("keys and n disagree")
         out: list[int | None] = []
@@ -326,6 +333,7 @@ class BlockTable:
                 if b is None:
                     continue
                 found += 1
+                b.mass = mass
                 if b.fk in self.host_policy:
                     self.host_policy.on_touch(b.fk, mass)
                 if b.on_disk:
@@ -481,9 +489,9 @@ class BlockTable:
         """A host slot, evicting clean blocks (or waiting for write-back) if needed. Lock held."""
         deadline = None
         while True:
-            off = self.host.alloc(slot)
+            off = self.host.alloc(slot) if self.host.used_bytes + slot <= self.host_limit else None
             if off is not None:
-                if self.host.used_bytes > self.cfg.host.high_watermark * self.host.capacity:
+                if self.host.used_bytes > self.cfg.host.high_watermark * self.host_limit:
                     self._kick_evictor()
                 return off
             if self._closing:
@@ -500,9 +508,23 @@ class BlockTable:
                 raise TierFull("host tier is full: every block is leased or being written")
             self.changed.wait(0.05)
 
+    def _admit(self, b: Block) -> bool:
+        """Whether a host victim is worth a disk write (durable puts and the flush skip this)."""
+        mode = self.cfg.disk.admission
+        ok = mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
+        if ok:
+            self.admitted += 1
+        else:
+            self.rejected += 1
+        return ok
+
     def _host_protected_clean(self, fk: bytes) -> bool:
         b = self.blocks[fk]
-        return b.protected or (not b.on_disk and self.disk is not None)
+        return b.protected or (not b.on_disk and self.disk is not None and self._would_admit(b))
+
+    def _would_admit(self, b: Block) -> bool:
+        mode = self.cfg.disk.admission
+        return mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
 
     def _host_protected(self, fk: bytes) -> bool:
         return self.blocks[fk].protected
@@ -554,7 +576,7 @@ class BlockTable:
 
     def _demote_once(self) -> None:
         with self.lock:
-            cap = self.host.capacity
+            cap = self.host_limit
             force = self._force
             self._force = False
             if self.host.used_bytes <= self.cfg.host.high_watermark * cap and not force:
@@ -572,7 +594,7 @@ class BlockTable:
             dirty = []
             for fk in victims:
                 b = self.blocks[fk]
-                if b.on_disk or self.disk is None:
+                if b.on_disk or self.disk is None or not self._admit(b):
                     self._drop_host(b)
                 else:
                     dirty.append(b)
@@ -586,6 +608,121 @@ class BlockTable:
                     if b.on_disk:
                         self._drop_host(b)
             self.changed.notify_all()
+
+    # ---- pinned prefixes and windows ---------------------------------------------------------------
+    def pin_prefix(self, s: Session, keys: list[bytes], priority: int) -> int:
+        """Keep ``keys`` in the host tier (promoting from disk) until unpinned; returns blocks pinned.
+
+        Pins outlive the connection (frozen system prompts); the pinned share of the host tier is
+        capped by ``host.max_pinned_fraction``.
+        """
+        if not isinstance(priority, int) or not 1 <= priority <= 100:
+            raise BadRequest("priority must be an int in 1..100")
+        lease_id, _offs, _tiers = self.acquire(s, keys)
+        with self.lock:
+            lease = s.leases[lease_id]
+            cap = self.cfg.host.max_pinned_fraction * self.host_limit
+            add = sum(self.host.slot_size_at(b.host_off) for b in lease.blocks if b.pin == 0)  # type: ignore
+            if self.pinned_bytes + add > cap:
+                self.release(s, [lease_id])
+                raise TierFull(f"pinning {add} more bytes would exceed host.max_pinned_fraction "
+                               f"({self.cfg.host.max_pinned_fraction:.0%} of the host tier)")
+            for b in lease.blocks:
+                if b.pin == 0:
+                    self.pinned_bytes += self.host.slot_size_at(b.host_off)  # type: ignore[arg-type]
+                b.pin = max(b.pin, priority)
+            n = len(lease.blocks)
+            self.release(s, [lease_id])
+        return n
+
+    def unpin(self, s: Session, keys: list[bytes]) -> int:
+        """Make pinned blocks evictable again; returns blocks unpinned."""
+        self._ns(s)
+        n = 0
+        with self.lock:
+            for k in keys:
+                b = self.blocks.get(s.fp + k)
+                if b is not None and b.pin:
+                    b.pin = 0
+                    if b.host_off is not None:
+                        self.pinned_bytes -= self.host.slot_size_at(b.host_off)
+                    n += 1
+            self.changed.notify_all()
+        return n
+
+    def window(self, s: Session, keys: list[bytes], budget: int, sinks: int, recent: int) -> int:
+        """Fit a live sequence into ``budget`` host blocks: keep the first ``sinks`` and the last
+        ``recent`` blocks, then the middle blocks with the most attention mass; demote the rest to disk
+        (never drop them). Returns how many blocks were demoted."""
+        self._ns(s)
+        if min(budget, sinks, recent) < 0:
+            raise BadRequest("budget, sinks and recent must be >= 0")
+        with self.lock:
+            seq = [self.blocks.get(s.fp + k) for k in keys]
+            resident = [(i, b) for i, b in enumerate(seq) if b is not None and b.host_off is not None]
+            if len(resident) <= budget:
+                return 0
+            n = len(keys)
+            fixed = {i for i, _ in resident if i < sinks or i >= n - recent}
+            middle = sorted((b.mass, -i, i) for i, b in resident if i not in fixed)
+            room = max(0, budget - len(fixed))
+            keep = fixed | {i for _m, _ni, i in middle[len(middle) - room:]} if room else fixed
+            out = [b for i, b in resident if i not in keep and not b.protected]
+            dirty = [b for b in out if not b.on_disk and self.disk is not None]
+            for b in out:
+                if b not in dirty:
+                    self._drop_host(b)
+            job = self._store(dirty) if dirty else None
+        if job is not None:
+            job.wait()
+            with self.lock:
+                for b in dirty:
+                    if b.on_disk and b.host_off is not None and not b.protected:
+                        self._drop_host(b)
+        return len(out)
+
+    # ---- runtime tuning ---------------------------------------------------------------------------
+    def apply(self, new: Config, changed: set[str]) -> None:
+        """Apply changed settings to the running tiers (``tierkv tune``). Checks everything first:
+        a bad value raises ``ValueError`` and nothing changes."""
+        if "host.capacity" in changed and new.host.capacity > self.host.capacity:
+            raise ValueError(f"host.capacity can only shrink at run time (pool is {self.host.capacity} bytes; "
+                             "restart to grow it)")
+        if "disk.capacity" in changed and (self.disk is None or new.disk.capacity > self.disk.capacity
+                                           and new.disk.capacity * 1.25 > self.disk.map_size):
+            raise ValueError("disk.capacity cannot grow past the size the daemon started with")
+        host_policy = disk_policy = None
+        if changed & {"host.policy"} or any(c.startswith("policy.") for c in changed):
+            host_policy = make_policy(new.host.policy, **new.policy_settings(new.host.policy))
+        if changed & {"disk.policy"} or any(c.startswith("policy.") for c in changed):
+            disk_policy = make_policy(new.disk.policy, **new.policy_settings(new.disk.policy))
+        with self.lock:
+            if host_policy is not None:
+                if host_policy.name == self.host_policy.name:
+                    self.host_policy.update(**new.policy_settings(new.host.policy))
+                else:
+                    for b in self.blocks.values():
+                        if b.host_off is not None and b.loading is None:
+                            host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), None)
+                    self.host_policy = host_policy
+            if disk_policy is not None:
+                if disk_policy.name == self.disk_policy.name:
+                    self.disk_policy.update(**new.policy_settings(new.disk.policy))
+                else:
+                    for b in self.blocks.values():
+                        if b.on_disk:
+                            disk_policy.on_insert(b.fk, stored_size(b.disk_bytes), None)
+                    self.disk_policy = disk_policy
+            self.cfg = new
+            self.host_limit = min(self.host.capacity, new.host.capacity)
+            if self.disk is not None:
+                self.disk.capacity = new.disk.capacity
+            self.engine.codec = new.disk.codec
+            self.engine.level = new.disk.codec_level
+            self.engine.budgets.set_rate("host<->disk", new.budget.host_disk or None)
+        self._kick_evictor(force=self.host.used_bytes > new.host.high_watermark * self.host_limit)
+        if self.disk is not None and self.disk_used > new.disk.high_watermark * new.disk.capacity:
+            self.engine.store([])  # an empty job runs make_room: the disk shrinks to its new size
 
     # ---- scrub ------------------------------------------------------------------------------------
     def verify(self, drop: bool = False) -> dict:

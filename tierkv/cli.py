@@ -25,7 +25,8 @@ _SERVE_FLAGS = {
 class _Group(click.Group):
     """Errors print one line and exit non-zero; no tracebacks. Heavy subcommands load on first use."""
 
-    LAZY = {"replay": "tierkv.replay_cli", "demo": "tierkv.demo"}
+    LAZY = {"replay": "tierkv.replay_cli", "demo": "tierkv.demo", "verify": "tierkv.admin_cli",
+            "doctor": "tierkv.admin_cli"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -37,8 +38,8 @@ class _Group(click.Group):
 
             try:
                 cmd = getattr(importlib.import_module(self.LAZY[name]), name, None)
-            except ImportError as exc:
-                raise click.ClickException(f"'{name}' is unavailable: {exc}") from None
+            except ImportError:
+                return None  # an optional component is not installed: the command is absent
         return cmd
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -203,6 +204,52 @@ def health(socket: str | None) -> None:
     r = _request(socket, "HEALTH")
     click.echo(r["status"] + (f": {r['reason']}" if r.get("reason") else ""))
     sys.exit(0 if r["status"] == "ok" else 1)
+
+
+@main.command()
+@click.argument("assignments", nargs=-1, required=True)
+@click.option("--socket", help="Daemon socket path.")
+def tune(assignments: tuple[str, ...], socket: str | None) -> None:
+    """Change settings of the running daemon: KEY=VALUE ... (e.g. host.policy=lru policy.beta=0.7
+    host.capacity=512MiB budget.host_disk=200MB disk.codec=int8). All are checked first; a bad key or
+    value changes nothing."""
+    settings = {}
+    for a in assignments:
+        key, sep, value = a.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{a!r} is not KEY=VALUE")
+        settings[key.strip()] = value.strip()
+    r = _request(socket, "TUNE", {"settings": settings})
+    click.echo("applied: " + ", ".join(r["applied"]))
+
+
+@main.command()
+@click.option("--socket", help="Daemon socket path.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def config(socket: str | None, as_json: bool) -> None:
+    """Show the running daemon's effective settings and where each came from."""
+    r = _request(socket, "CONFIG")
+    if as_json:
+        click.echo(json.dumps(r, sort_keys=True))
+        return
+    for section, values in r["settings"].items():
+        for key, value in values.items():
+            src = r["sources"].get(f"{section}.{key}", "default")
+            click.echo(f"{section}.{key} = {value!r}  ({src})")
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--socket", help="Daemon socket path.")
+@click.option("--priority", type=click.IntRange(1, 100), default=80, show_default=True,
+              help="Retention priority of the pinned prefix.")
+def preload(path: str, socket: str | None, priority: int) -> None:
+    """Store and pin a frozen prefix exported with tierkv.preload.export_prefix (system prompts,
+    tool descriptions) so it stays in the host tier."""
+    from .preload import preload_file
+
+    model, n = preload_file(socket, path, priority)
+    click.echo(f"pinned {n} blocks of {model} at priority {priority}")
 
 
 if __name__ == "__main__":

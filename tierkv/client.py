@@ -332,6 +332,30 @@ class Client:
             raise BadRequest("scores must be as long as keys")
         return int(self._call(Op.TOUCH, {"keys": keys, "scores": scores})["touched"])
 
+    def pin_prefix(self, keys: Sequence[bytes], priority: int = 80) -> int:
+        """Keep a frozen prefix (system prompt, tool descriptions) in the host tier until :meth:`unpin`.
+
+        Args:
+            keys: the prefix's block keys (blocks must already be stored; missing ones end the prefix).
+            priority: retention priority 1..100, as in TensorRT-LLM's retention config.
+
+        Returns:
+            How many leading blocks are now pinned.
+        """
+        return int(self._call(Op.PIN, {"keys": _check_keys(keys), "priority": priority})["pinned"])
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Make pinned blocks evictable again; returns how many were pinned."""
+        return int(self._call(Op.UNPIN, {"keys": _check_keys(keys)})["unpinned"])
+
+    def set_window(self, keys: Sequence[bytes], budget: int, sinks: int = 1, recent: int = 8) -> int:
+        """Fit a live sequence longer than its fast-tier budget: keep the first ``sinks`` blocks
+        (attention sinks), the last ``recent`` blocks, and the middle blocks with the most attention
+        mass (see :meth:`touch`) up to ``budget`` blocks in host memory; the rest are demoted to disk,
+        never dropped. Returns how many blocks were demoted."""
+        return int(self._call(Op.WINDOW, {"keys": _check_keys(keys), "budget": budget, "sinks": sinks,
+                                          "recent": recent})["demoted"])
+
     def stats(self) -> dict[str, Any]:
         """The daemon's figures: per tier capacity, usage, hits, misses, bytes, evictions, ..."""
         return self._call(Op.STATS, {})

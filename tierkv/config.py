@@ -63,8 +63,10 @@ class HostConfig:
     """Demote until used/capacity falls below this."""
     prefault: bool = True
     """Allocate the pool's memory at start (fails early if memory is short; no page faults later)."""
-    policy: str = "lru"
-    """Eviction policy for this tier."""
+    policy: str = "attention"
+    """Eviction policy for this tier (lru, lfu, slru, gdsf, attention)."""
+    max_pinned_fraction: float = 0.5
+    """Pinned prefixes may hold at most this share of the host tier."""
 
 
 @dataclass
@@ -90,7 +92,22 @@ class DiskConfig:
     write_batch: int = 32
     """Most blocks written in one LMDB transaction."""
     policy: str = "lru"
-    """Eviction policy for this tier."""
+    """Eviction policy for this tier (what to drop when the disk is full)."""
+    admission: Literal["all", "reused", "pinned"] = "reused"
+    """Which host victims are written to disk: every one, those used twice / shared / pinned, or pinned
+    only. Durable puts and the shutdown flush are always written."""
+
+
+@dataclass
+class BudgetConfig:
+    """Bandwidth caps per link in bytes/s (0 = unlimited), so offload traffic cannot starve decode."""
+
+    host_disk: int = 0
+    """host <-> disk."""
+    gpu_host: int = 0
+    """gpu <-> host."""
+    host_remote: int = 0
+    """host <-> remote."""
 
 
 @dataclass
@@ -100,9 +117,12 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    policy: dict[str, Any] = field(default_factory=dict)
+    """Policy weights (``[policy]`` table, ``policy.<name>`` keys), applied to every tier whose policy has them."""
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
-    SECTIONS = ("server", "host", "disk")
+    SECTIONS = ("server", "host", "disk", "budget", "policy")
 
     @property
     def socket_path(self) -> str:
@@ -129,16 +149,53 @@ class Config:
             raise ValueError("server.max_frame_bytes must be >= 4096")
         if s.drain_timeout_s < 0:
             raise ValueError("server.drain_timeout_s must be >= 0")
+        if not 0 <= h.max_pinned_fraction <= 1:
+            raise ValueError("host.max_pinned_fraction must be within 0..1")
+        from .policy import policy_class, policy_names
+
+        for name, value in (("host.policy", h.policy), ("disk.policy", d.policy)):
+            if value not in policy_names():
+                raise ValueError(f"{name}: unknown policy {value!r} (known: {', '.join(policy_names())})")
+        # A weight is kept even while the active policies lack it (it applies when one that has it is
+        # chosen); a key no built-in policy knows is a typo.
+        every = {n: policy_class(n).SETTINGS for n in policy_names()}
+        for key, value in self.policy.items():
+            owners = [n for n, settings in every.items() if key in settings]
+            if not owners:
+                known = sorted({k for settings in every.values() for k in settings})
+                raise ValueError(f"policy.{key}: no policy has this setting (settings: {', '.join(known)})")
+            for n in owners:
+                every[n][key].coerce(f"policy.{key}", value)
+        from .codecs import available_codecs
+
+        if d.codec not in available_codecs():
+            raise ValueError(f"disk.codec: unknown codec {d.codec!r} (known: {', '.join(available_codecs())})")
+        for name in ("host_disk", "gpu_host", "host_remote"):
+            if getattr(self.budget, name) < 0:
+                raise ValueError(f"budget.{name} must be >= 0")
+
+    def policy_settings(self, name: str) -> dict[str, Any]:
+        """The ``[policy]`` settings that the policy ``name`` has."""
+        from .policy import policy_class
+
+        known = policy_class(name).SETTINGS
+        return {k: v for k, v in self.policy.items() if k in known}
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Effective settings as nested plain dicts."""
-        return {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS}
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS if name != "policy"}
+        out["policy"] = dict(self.policy)
+        return out
 
     def set(self, dotted: str, value: Any, source: str) -> None:
         """Set ``section.key`` from a string or typed value, converting to the field's type."""
         section, _, key = dotted.partition(".")
         if section not in self.SECTIONS or not key:
             raise ValueError(f"unknown setting {dotted!r} (sections: {', '.join(self.SECTIONS)})")
+        if section == "policy":  # free-form weights, checked against the policies in validate()
+            self.policy[key] = value
+            self.sources[dotted] = source
+            return
         obj = getattr(self, section)
         hints = get_type_hints(type(obj))
         if key not in hints:
@@ -147,7 +204,7 @@ class Config:
         self.sources[dotted] = source
 
 
-_SIZE_KEYS = {"capacity", "slab_bytes", "max_frame_bytes"}
+_SIZE_KEYS = {"capacity", "slab_bytes", "max_frame_bytes", "host_disk", "gpu_host", "host_remote"}
 
 
 def _convert(name: str, typ: Any, value: Any, key: str) -> Any:
@@ -215,7 +272,7 @@ def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | Non
             continue
         rest = name[len("TIERKV_"):].lower()
         section, _, key = rest.partition("_")
-        if section in cfg.SECTIONS and key:
+        if section in cfg.SECTIONS and section != "policy" and key:
             cfg.set(f"{section}.{key}", value, f"env:{name}")
     if "TIERKV_SOCKET" in env and "server.socket" not in cfg.sources:
         cfg.set("server.socket", env["TIERKV_SOCKET"], "env:TIERKV_SOCKET")

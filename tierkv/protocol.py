@@ -49,6 +49,8 @@ class Op(enum.IntEnum):
     PIN = 15
     DELETE = 16
     VERIFY = 17
+    UNPIN = 18
+    WINDOW = 19
 
 
 def pack(op: int, rid: int, body: Any, status: int = STATUS_OK) -> bytes:

@@ -326,6 +326,49 @@ class Server:
     def _op_config(self, conn: socket.socket, s: Session, body: dict) -> dict:
         return {"settings": self.cfg.to_dict(), "sources": dict(self.cfg.sources)}
 
+    # Settings fixed at start-up (they shape the pool, the socket or the LMDB environment).
+    _RESTART_ONLY = ("server.socket", "server.data_dir", "server.allow_uids", "server.max_frame_bytes",
+                     "host.slab_bytes", "host.prefault", "disk.enabled", "disk.workers", "disk.sync",
+                     "server.max_clients")
+
+    def _op_tune(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Change settings on the running daemon: all are checked first; a bad one changes nothing."""
+        import copy
+
+        assert self.table is not None
+        settings = body.get("settings")
+        if not isinstance(settings, dict) or not settings:
+            raise BadRequest("settings must be a non-empty map of KEY to VALUE")
+        new = copy.deepcopy(self.cfg)
+        try:
+            for key, value in settings.items():
+                if key in self._RESTART_ONLY:
+                    raise ValueError(f"{key} is fixed at start-up; change it in the config and restart")
+                new.set(key, value, "tune")
+            new.validate()
+            self.table.apply(new, set(settings))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        self.cfg = new
+        if "server.log_level" in settings:
+            logging.getLogger().setLevel(new.server.log_level.upper())
+        return {"applied": sorted(settings)}
+
+    def _op_pin(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        return {"pinned": self.table.pin_prefix(s, validate_keys(body.get("keys")), body.get("priority", 80))}
+
+    def _op_unpin(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        return {"unpinned": self.table.unpin(s, validate_keys(body.get("keys")))}
+
+    def _op_window(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        args = [body.get(k) for k in ("budget", "sinks", "recent")]
+        if not all(isinstance(a, int) for a in args):
+            raise BadRequest("budget, sinks and recent must be ints")
+        return {"demoted": self.table.window(s, validate_keys(body.get("keys")), *args)}
+
     def stats(self) -> dict:
         """The snapshot behind ``tierkv stats``."""
         t = self.table
@@ -343,10 +386,14 @@ class Server:
             }
             tiers["host"]["bytes_logical"] = live
             tiers["host"]["bytes_stored"] = t.host.used_bytes
+            tiers["host"]["pinned_bytes"] = t.pinned_bytes
+            tiers["host"]["limit_bytes"] = t.host_limit
             if t.disk is not None:
                 tiers["disk"] = tier_snapshot(t.disk_stats, capacity=t.disk.capacity, used=t.disk_used,
                                               blocks=disk_blocks, codec=t.engine.codec, file_bytes=t.disk.file_bytes(),
-                                              readers=t.disk.readers(), policy=t.disk_policy.name)
+                                              readers=t.disk.readers(), policy=t.disk_policy.name,
+                                              admission=t.cfg.disk.admission, admitted=t.admitted,
+                                              rejected=t.rejected)
             namespaces = {ns.fingerprint.hex(): {"model": ns.model, "layout": ns.layout.to_dict(),
                                                  "tp_rank": ns.tp_rank, "blocks": t.ns_blocks.get(fp, 0)}
                           for fp, ns in t.namespaces.items()}
@@ -360,7 +407,9 @@ class Server:
                 "tiers": tiers,
                 "namespaces": namespaces,
                 "transfer": {"inflight": t.engine.inflight, "bytes": dict(t.engine.link_bytes),
-                             "seconds": {k: round(v, 4) for k, v in t.engine.link_seconds.items()}},
+                             "seconds": {k: round(v, 4) for k, v in t.engine.link_seconds.items()},
+                             "links": {k: v.to_dict() for k, v in t.engine.budgets.stats().items()},
+                             "cost": t.engine.cost.snapshot()},
             }
 
 

@@ -20,7 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from .budget import LinkBudgets
 from .codecs import CodecError, decode_block, encode_block
+from .costmodel import CostModel
 from .errors import TierKVError
 from .layout import Layout
 from .tiers.disk import DiskError, DiskTier
@@ -63,9 +65,12 @@ class TransferEngine:
     """Jobs by route: ("host", "disk") stores and ("disk", "host") loads."""
 
     def __init__(self, disk: DiskTier | None, workers: int = 2, codec: str = "lossless", level: int = 1,
-                 make_room: Callable[[int], list[bytes]] | None = None, write_batch: int = 32) -> None:
+                 make_room: Callable[[int], list[bytes]] | None = None, write_batch: int = 32,
+                 budgets: dict[str, float | None] | None = None) -> None:
         self.disk = disk
         self.write_batch = write_batch
+        self.budgets = LinkBudgets(budgets or {})
+        self.cost = CostModel()
         self.codec = codec
         self.level = level
         self._make_room = make_room
@@ -113,6 +118,9 @@ class TransferEngine:
     def _write_job(self, job: Job) -> None:
         """Encode on the workers while this thread writes: batch i is written as batch i+1 encodes."""
         assert self.disk is not None
+        if not job.moves and self._make_room:
+            self.disk.write([], self._make_room(0))
+            return
         futures = [self._encode.submit(self._encode_one, m) for m in job.moves]
         for i in range(0, len(job.moves), self.write_batch):
             moves = job.moves[i:i + self.write_batch]
@@ -120,7 +128,8 @@ class TransferEngine:
             puts = [(m.lmdb_key, b) for m, b in zip(moves, blobs) if b is not None]
             incoming = sum(len(b) for _, b in puts)
             deletes = self._make_room(incoming) if self._make_room else []
-            self.disk.write(puts, deletes)
+            with self.budgets.transfer("host<->disk", incoming):
+                self.disk.write(puts, deletes)
             for m, b in zip(moves, blobs):
                 m.ok = b is not None
                 m.stored_bytes = len(b) if b is not None else 0
@@ -152,7 +161,10 @@ class TransferEngine:
             if last:
                 job.seconds = time.perf_counter() - t0
                 self.link_seconds["disk->host"] += job.seconds
-                self.link_bytes["disk->host"] += sum(m.view.nbytes for m in moves if m.ok)
+                got = sum(m.view.nbytes for m in moves if m.ok)
+                self.link_bytes["disk->host"] += got
+                if got:
+                    self.cost.observe("disk", got, job.seconds)
                 self._finish(job)
 
         if not futures:
@@ -163,6 +175,8 @@ class TransferEngine:
 
     def _load_one(self, m: Move) -> None:
         assert self.disk is not None
+
+        self.budgets.acquire("host<->disk", m.view.nbytes)
 
         def use(value: memoryview) -> int:
             decode_block(value, layout=m.layout, fingerprint=m.fingerprint, key=m.key, out=m.view)
