@@ -9,6 +9,7 @@ one lock; waits on transfers happen outside it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .codecs import CodecError, read_header
 from .config import Config
+from .costmodel import Run
 from .errors import BadRequest, TierFull
 from .keys import FINGERPRINT_BYTES, MAX_KEY_BYTES, Namespace
 from .policy import make_policy
@@ -68,6 +70,7 @@ class Session:
     fp: bytes = b""
     slots: dict[int, int] = field(default_factory=dict)   # offset -> slot size, allocated but not committed
     leases: dict[int, Lease] = field(default_factory=dict)
+    tickets: dict[int, tuple[list[Block], list[str]]] = field(default_factory=dict)  # fetches not yet waited
 
 
 def validate_keys(keys: object, limit: int = 1 << 16) -> list[bytes]:
@@ -165,6 +168,10 @@ class BlockTable:
                     b.leases -= 1
                     assert b.leases >= 0
             session.leases.clear()
+            for leased, _tiers in session.tickets.values():
+                for b in leased:
+                    b.leases -= 1
+            session.tickets.clear()
             for off in session.slots:
                 self.host.free(off)
             session.slots.clear()
@@ -272,12 +279,16 @@ class BlockTable:
         Returns:
             (lease id, slot offsets of the leased prefix, tier each block came from).
         """
+        return self.wait(s, self.fetch(s, keys), None)
+
+    def fetch(self, s: Session, keys: list[bytes]) -> int:
+        """Start leasing the cached prefix of ``keys``: host blocks at once, disk blocks as their loads
+        finish. Returns a ticket for :meth:`wait`; never blocks on the disk."""
         ns = self._ns(s)
         slot = slot_size_for(ns.layout.block_bytes)
         leased: list[Block] = []
         tiers: list[str] = []
         loads: list[Block] = []
-        waits: list[Block] = []
         with self.lock:
             for k in keys:
                 b = self.blocks.get(s.fp + k)
@@ -285,9 +296,7 @@ class BlockTable:
                     self.host_stats.misses += 1
                     break
                 if b.host_off is not None:
-                    if b.loading is not None:
-                        waits.append(b)
-                    tiers.append("host")
+                    tiers.append("host" if b.loading is None else "disk")
                     self.host_stats.hits += 1
                 elif b.on_disk:
                     try:
@@ -304,24 +313,91 @@ class BlockTable:
                 b.leases += 1
                 self._touch(b)
                 leased.append(b)
-            job = self._load(ns, loads) if loads else None
-        if job is not None:
-            job.wait()
-        for b in waits:
-            ev = b.loading
-            if ev is not None:
-                ev.wait()
+            if loads:
+                self._load(ns, loads)
+            self._lease_ids += 1
+            s.tickets[self._lease_ids] = (leased, tiers)
+            return self._lease_ids
+
+    def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
+        """Turn a ticket into a lease on the exact prefix that arrived within ``timeout`` seconds.
+
+        Blocks still loading after the timeout are cut off (a partial result is normal); their loads
+        finish in the background and stay cached.
+        """
         with self.lock:
-            cut = next((i for i, b in enumerate(leased) if b.load_failed or b.host_off is None), len(leased))
+            if ticket not in s.tickets:
+                raise BadRequest(f"ticket {ticket!r} is not pending on this connection")
+            leased, tiers = s.tickets.pop(ticket)
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        cut = len(leased)
+        for i, b in enumerate(leased):
+            ev = b.loading
+            if ev is not None and not ev.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                cut = i
+                break
+            if b.load_failed or b.host_off is None:
+                cut = i
+                break
+        with self.lock:
             for b in leased[cut:]:
                 b.leases -= 1
             leased = leased[:cut]
-            tiers = tiers[:cut]
-            self._lease_ids += 1
-            lease = Lease(self._lease_ids, leased)
+            lease = Lease(ticket, leased)
             s.leases[lease.id] = lease
             self.changed.notify_all()
-            return lease.id, [b.host_off for b in leased], tiers  # type: ignore[misc]
+            return lease.id, [b.host_off for b in leased], tiers[:cut]  # type: ignore[misc]
+
+    def prefetch(self, s: Session, keys: list[bytes]) -> int:
+        """Promote the disk-only blocks of the cached prefix into host memory in the background
+        (queued requests announced by the engine); returns how many loads started. Never blocks."""
+        ns = self._ns(s)
+        slot = slot_size_for(ns.layout.block_bytes)
+        loads: list[Block] = []
+        with self.lock:
+            for k in keys:
+                b = self.blocks.get(s.fp + k)
+                if b is None:
+                    break
+                if b.host_off is None and b.on_disk:
+                    try:
+                        b.host_off = self._alloc_slot(slot, wait=False)
+                    except TierFull:
+                        break
+                    b.loading = threading.Event()
+                    b.load_failed = False
+                    loads.append(b)
+            if loads:
+                self._load(ns, loads)
+        return len(loads)
+
+    def plan(self, s: Session, keys: list[bytes]) -> dict:
+        """Where each leading cached block is, whether it is ready in host memory, and how many leading
+        blocks are worth fetching rather than recomputing (from the measured cost model)."""
+        ns = self._ns(s)
+        tiers: list[str] = []
+        ready: list[bool] = []
+        with self.lock:
+            for k in keys:
+                b = self.blocks.get(s.fp + k)
+                if b is None:
+                    break
+                in_host = b.host_off is not None
+                tiers.append("host" if in_host else "disk")
+                ready.append(in_host and b.loading is None)
+        runs = []
+        for tier, group in itertools.groupby(("host" if r else "disk" for r in ready)):
+            n = len(list(group))
+            runs.append(Run(tier, n * ns.layout.block_bytes, n * ns.layout.block_tokens))
+        plans = self.engine.cost.plan(runs) if runs else []
+        fetch = 0
+        for p in plans:
+            if not p.fetch:
+                break
+            fetch += p.tokens // ns.layout.block_tokens
+        return {"count": len(tiers), "tiers": tiers, "ready": ready, "fetch": fetch,
+                "runs": [{"tier": p.tier, "blocks": p.tokens // ns.layout.block_tokens, "fetch": p.fetch,
+                          "fetch_s": p.fetch_s, "recompute_s": p.recompute_s} for p in plans]}
 
     def touch(self, s: Session, keys: list[bytes], scores: list[float]) -> int:
         """Record attention mass per block (1.0 = uniform) for the policies; returns blocks found."""
@@ -485,8 +561,8 @@ class BlockTable:
         return b is None or b.loading is not None
 
     # ---- host eviction ----------------------------------------------------------------------------
-    def _alloc_slot(self, slot: int) -> int:
-        """A host slot, evicting clean blocks (or waiting for write-back) if needed. Lock held."""
+    def _alloc_slot(self, slot: int, wait: bool = True) -> int:
+        """A host slot, evicting clean blocks (or, with ``wait``, waiting for write-back). Lock held."""
         deadline = None
         while True:
             off = self.host.alloc(slot) if self.host.used_bytes + slot <= self.host_limit else None
@@ -501,6 +577,8 @@ class BlockTable:
                 for fk in victims:
                     self._drop_host(self.blocks[fk])
                 continue
+            if not wait:
+                raise TierFull("host tier has no clean block to evict right now")
             if deadline is None:
                 deadline = time.monotonic() + 30.0
             self._kick_evictor(force=True)

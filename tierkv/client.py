@@ -319,6 +319,49 @@ class Client:
         """Drop blocks from every tier (an invalidation); leased blocks are kept. Returns blocks dropped."""
         return int(self._call(Op.DELETE, {"keys": _check_keys(keys)})["deleted"])
 
+    def fetch(self, keys: Sequence[bytes]) -> int:
+        """Start bringing the cached prefix of ``keys`` into host memory; returns a ticket for
+        :meth:`wait`. Never blocks on the disk."""
+        return int(self._call(Op.FETCH, {"keys": _check_keys(keys)})["ticket"])
+
+    def wait(self, ticket: int, timeout: float | None = None) -> Lease:
+        """A lease on the exact prefix that arrived within ``timeout`` seconds (``None``: all of it).
+        A short prefix is a normal result, never an error; the rest keeps loading in the background."""
+        r = self._call(Op.WAIT, {"ticket": ticket, "timeout": timeout})
+        return Lease(self, int(r["lease"]), list(r["slots"]), list(r["tiers"]))
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Announce a queued request: its disk blocks are promoted in the background. Returns at once
+        with how many loads started."""
+        return int(self._call(Op.PREFETCH, {"keys": _check_keys(keys)})["started"])
+
+    def lookup_plan(self, keys: Sequence[bytes]) -> dict[str, Any]:
+        """Per leading cached block: ``tiers``, ``ready`` (in host memory now), and ``fetch``: how many
+        leading blocks are worth fetching rather than recomputing, from the daemon's measured tier
+        speeds and the recompute speed reported with :meth:`report_recompute`."""
+        return self._call(Op.PLAN, {"keys": _check_keys(keys)})
+
+    def report_recompute(self, tokens: int, seconds: float) -> float:
+        """Tell the cost model how fast this engine prefills (``tokens`` in ``seconds``)."""
+        return float(self._call(Op.RECOMPUTE, {"tokens": int(tokens), "seconds": float(seconds)})["tokens_per_s"])
+
+    def get_prefix(self, keys: Sequence[bytes], timeout: float | None = None) -> torch.Tensor:
+        """The leading blocks worth loading, as one tensor ``[m, 2, L, H, T, D]`` (``m`` may be 0).
+
+        Follows the cost model: a cold run that would load slower than recomputing it ends the prefix,
+        so a hit is never slower than recomputation. ``timeout`` bounds the wait for disk loads.
+        """
+        keys = _check_keys(keys)
+        n = self.lookup_plan(keys)["fetch"] if keys else 0
+        if n == 0:
+            return torch.empty(self.layout.batch_shape(0), dtype=self.layout.torch_dtype)
+        with self.wait(self.fetch(keys[:n]), timeout) as lease:
+            out = torch.empty(self.layout.batch_shape(lease.count), dtype=self.layout.torch_dtype)
+            nb = self.layout.block_bytes
+            for i, off in enumerate(lease.offsets):
+                _stream_copy(_as_bytes(out[i]), self._pool[off:off + nb].numpy())
+        return out
+
     def release(self, lease: Lease) -> None:
         """End a lease (same as ``lease.release()``)."""
         lease.release()

@@ -51,6 +51,10 @@ class Op(enum.IntEnum):
     VERIFY = 17
     UNPIN = 18
     WINDOW = 19
+    FETCH = 20
+    WAIT = 21
+    PLAN = 22
+    RECOMPUTE = 23
 
 
 def pack(op: int, rid: int, body: Any, status: int = STATUS_OK) -> bytes:

@@ -288,6 +288,34 @@ class Server:
         lease, slots, tiers = self.table.acquire(s, validate_keys(body.get("keys")))
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
+    def _op_fetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        return {"ticket": self.table.fetch(s, validate_keys(body.get("keys")))}
+
+    def _op_wait(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        timeout = body.get("timeout")
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
+            raise BadRequest("timeout must be a non-negative number or None")
+        lease, slots, tiers = self.table.wait(s, body.get("ticket"), timeout)
+        return {"lease": lease, "slots": slots, "tiers": tiers}
+
+    def _op_prefetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        return {"started": self.table.prefetch(s, validate_keys(body.get("keys")))}
+
+    def _op_plan(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        return self.table.plan(s, validate_keys(body.get("keys")))
+
+    def _op_recompute(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        tokens, seconds = body.get("tokens"), body.get("seconds")
+        if not isinstance(tokens, int) or tokens <= 0 or not isinstance(seconds, int | float) or seconds <= 0:
+            raise BadRequest("tokens must be a positive int and seconds a positive number")
+        self.table.engine.cost.observe_recompute(tokens, float(seconds))
+        return {"tokens_per_s": self.table.engine.cost.recompute_tokens_per_s()}
+
     def _op_release(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
         leases = body.get("leases")
