@@ -111,3 +111,23 @@ def test_budget_limits_disk_writes(daemon):
     assert stored > 0
     # the bucket starts with a 50 ms burst; the rest flows at 4 MB/s (within 10%)
     assert elapsed >= (stored - 0.2e6) / 4e6 * 0.9
+
+
+def test_paged_store_and_load_round_trip(daemon):
+    L, H, T, D = 2, 2, 16, 32  # the SMALL layout of the other tests
+    layout = tierkv.Layout(L, H, D, T, "bfloat16")
+    g = torch.Generator().manual_seed(7)
+    k_cache = [torch.randn(10, T, H, D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    v_cache = [torch.randn(10, T, H, D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    with daemon.client(layout=layout) as c:
+        keys = keys_for(c, 3, seed=8)
+        assert c.store_paged(keys, k_cache, v_cache, [7, 2, 5]) == 3
+        k2 = [torch.zeros_like(x) for x in k_cache]
+        v2 = [torch.zeros_like(x) for x in v_cache]
+        assert c.load_paged(keys, k2, v2, [0, 1, 9]) == 3
+        for src, dst in ((7, 0), (2, 1), (5, 9)):
+            for layer in range(L):
+                assert torch.equal(k2[layer][dst], k_cache[layer][src])
+                assert torch.equal(v2[layer][dst], v_cache[layer][src])
+        blk = c.get(keys[:1])[0]  # tierkv's own layout: [2, L, H, T, D]
+        assert torch.equal(blk[0, 1], k_cache[1][7].permute(1, 0, 2))

@@ -362,6 +362,39 @@ class Client:
                 _stream_copy(_as_bytes(out[i]), self._pool[off:off + nb].numpy())
         return out
 
+    # ---- paged engine caches ----------------------------------------------------------------------
+    def store_paged(self, keys: Sequence[bytes], k_caches: Any, v_caches: Any, block_ids: Any,
+                    *, layout: str = "NHD", durable: bool = False) -> int:
+        """Offload straight from an engine's paged KV cache (vLLM-style per-layer K and V of shape
+        ``[num_blocks, block_tokens, kv_heads, head_dim]``, or ``"HND"``): the engine blocks
+        ``block_ids`` are gathered into fresh slots in one pass and committed under ``keys``.
+
+        Returns:
+            How many blocks were new.
+        """
+        from .paged import gather
+
+        keys = _check_keys(keys)
+        if len(block_ids) != len(keys):
+            raise BadRequest("one engine block id per key")
+        with self.alloc(len(keys)) as slots:
+            gather(k_caches, v_caches, block_ids, slots.views, layout=layout)
+            return slots.commit(keys, durable=durable)
+
+    def load_paged(self, keys: Sequence[bytes], k_caches: Any, v_caches: Any, block_ids: Any,
+                   *, layout: str = "NHD") -> int:
+        """Load the cached prefix of ``keys`` straight into an engine's paged KV cache at ``block_ids``
+        (one scatter pass); returns how many leading blocks were loaded."""
+        from .paged import scatter
+
+        keys = _check_keys(keys)
+        if len(block_ids) != len(keys):
+            raise BadRequest("one engine block id per key")
+        with self.acquire(keys) as lease:
+            if lease.count:
+                scatter(lease.views, k_caches, v_caches, list(block_ids)[:lease.count], layout=layout)
+            return lease.count
+
     def release(self, lease: Lease) -> None:
         """End a lease (same as ``lease.release()``)."""
         lease.release()
