@@ -89,8 +89,8 @@ class DiskConfig:
     """Encode/decode worker threads (zstd releases the GIL)."""
     sync: bool = True
     """fsync each write transaction (required for durable acknowledgements)."""
-    write_batch: int = 32
-    """Most blocks written in one LMDB transaction."""
+    write_batch: int = 256
+    """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
     policy: str = "lru"
     """Eviction policy for this tier (what to drop when the disk is full)."""
     admission: Literal["all", "reused", "pinned"] = "reused"

@@ -69,6 +69,7 @@ class TransferEngine:
                  budgets: dict[str, float | None] | None = None) -> None:
         self.disk = disk
         self.write_batch = write_batch
+        self.write_batch_bytes = 48 << 20
         self.budgets = LinkBudgets(budgets or {})
         self.cost = CostModel()
         self.codec = codec
@@ -122,9 +123,17 @@ class TransferEngine:
             self.disk.write([], self._make_room(0))
             return
         futures = [self._encode.submit(self._encode_one, m) for m in job.moves]
-        for i in range(0, len(job.moves), self.write_batch):
-            moves = job.moves[i:i + self.write_batch]
-            blobs = [f.result() for f in futures[i:i + self.write_batch]]
+        i = 0
+        while i < len(job.moves):
+            # A transaction of about write_batch_bytes: large enough to amortise its two fsyncs, small
+            # enough that the next batch encodes while this one is written.
+            j, size = i, 0
+            while j < len(job.moves) and (j == i or size < self.write_batch_bytes) and j - i < self.write_batch:
+                size += job.moves[j].view.nbytes
+                j += 1
+            moves = job.moves[i:j]
+            blobs = [f.result() for f in futures[i:j]]
+            i = j
             puts = [(m.lmdb_key, b) for m, b in zip(moves, blobs) if b is not None]
             incoming = sum(len(b) for _, b in puts)
             deletes = self._make_room(incoming) if self._make_room else []

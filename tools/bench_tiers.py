@@ -196,14 +196,21 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _lookup_worker(sock: str, keys: list[bytes], n: int, q) -> None:
+def _lookup_worker(sock: str, keys: list[bytes], n: int, rate: float, q) -> None:
+    """``rate`` 0: back-to-back (closed loop); else paced at ``rate`` lookups/s like an engine's scheduler."""
     with tierkv.Client.connect(sock, model="bench", layout=LLAMA, populate=False) as c:
         for _ in range(50):
             c.lookup(keys)
         lat = []
+        nxt = time.perf_counter()
         for _ in range(n):
+            if rate:
+                nxt += np.random.exponential(1.0 / rate)
+                delay = nxt - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
             t = time.perf_counter()
-            c.lookup(keys)
+            assert c.lookup(keys) == len(keys)
             lat.append(time.perf_counter() - t)
     q.put(lat)
 
@@ -216,16 +223,17 @@ def lookup_bench(tmp: Path, blocks: torch.Tensor) -> dict:
             c.put(keys, blocks[:64])  # every lookup walks 64 cached blocks
         res = {}
         ctx = mp.get_context("spawn")
-        for nclients in (1, 8):
+        for nclients, rate in ((1, 0), (8, 0), (1, 500), (8, 500)):
             q = ctx.Queue()
-            ps = [ctx.Process(target=_lookup_worker, args=(d.sock, keys, 2000, q)) for _ in range(nclients)]
+            ps = [ctx.Process(target=_lookup_worker, args=(d.sock, keys, 2000, rate, q)) for _ in range(nclients)]
             for p in ps:
                 p.start()
             lat = sorted(x for _ in ps for x in q.get(timeout=300))
             for p in ps:
                 p.join()
-            res[f"{nclients}_clients"] = {"p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
-                                          "samples": len(lat)}
+            name = f"{nclients} client{'s' if nclients > 1 else ''}, " + (f"paced {rate}/s each" if rate else "back-to-back")
+            res[name] = {"p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
+                         "samples": len(lat)}
         return res
     finally:
         d.stop()
