@@ -40,7 +40,8 @@ class Block:
     on_disk: bool = False
     disk_bytes: int = 0            # encoded bytes on disk
     leases: int = 0
-    writing: bool = False          # a host -> disk store is in flight
+    writing: int = 0               # host -> disk/remote stores in flight (they read the slot)
+    on_remote: bool = False        # known to be in the remote tier
     loading: threading.Event | None = None  # set when a disk -> host load finishes
     load_failed: bool = False
     hits: int = 0
@@ -120,6 +121,13 @@ class BlockTable:
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
                                      budgets={"host<->disk": cfg.budget.host_disk or None})
+        self.remote = None
+        self.remote_stats = TierCounters()
+        self._remote_info: tuple[float, dict | None] = (0.0, None)
+        if cfg.remote.url:
+            from .tiers.remote import RemoteTier
+
+            self.remote = RemoteTier.from_config(cfg.remote)
         if self.disk is not None:
             self._scan_disk()
         self._evictor = threading.Thread(target=self._evict_loop, name="tierkv-evictor", daemon=True)
@@ -242,6 +250,7 @@ class BlockTable:
                 if durable and not b.on_disk:
                     durable_blocks.append(b)
                 parent = fk
+            self._write_through(new)
             job = self._store(durable_blocks) if durable_blocks else None
             self.changed.notify_all()
         if job is not None:
@@ -271,6 +280,9 @@ class BlockTable:
                 if b is None:
                     break
                 out.append("host" if b.host_off is not None else "disk")
+        if self.remote is not None and len(out) < len(keys):
+            # Only the part of the prefix no local tier holds, in one round trip (outside the lock).
+            out += ["remote"] * self.remote.prefix_len(s.fp, keys[len(out):])
         return out
 
     def acquire(self, s: Session, keys: list[bytes]) -> tuple[int, list[int], list[str]]:
@@ -315,9 +327,62 @@ class BlockTable:
                 leased.append(b)
             if loads:
                 self._load(ns, loads)
+            self._write_through([b for b in leased if b.loading is None])
+        if self.remote is not None and len(leased) < len(keys) and (not leased or leased[-1] is not None):
+            self._fetch_remote(s, ns, keys[len(leased):], slot, leased, tiers)
+        with self.lock:
             self._lease_ids += 1
             s.tickets[self._lease_ids] = (leased, tiers)
             return self._lease_ids
+
+    def _fetch_remote(self, s: Session, ns: Namespace, keys: list[bytes], slot: int, leased: list[Block],
+                      tiers: list[str]) -> None:
+        """Continue a fetch from the remote tier: the part of the prefix no local tier holds."""
+        assert self.remote is not None
+        n = self.remote.prefix_len(s.fp, keys)  # network: outside the lock
+        if n == 0:
+            return
+        loads: list[Block] = []
+        with self.lock:
+            for k in keys[:n]:
+                fk = s.fp + k
+                if fk in self.blocks:  # appeared meanwhile (another client): end the prefix here
+                    break
+                try:
+                    off = self._alloc_slot(slot)
+                except TierFull:
+                    break
+                b = Block(fk, ns.layout.block_bytes, host_off=off, on_remote=True, leases=1)
+                b.loading = threading.Event()
+                self.blocks[fk] = b
+                self.ns_blocks[s.fp] = self.ns_blocks.get(s.fp, 0) + 1
+                loads.append(b)
+                leased.append(b)
+                tiers.append("remote")
+            if not loads:
+                return
+        moves = [Move(b.fk, self.host.view(b.host_off, b.nbytes), ns.layout, s.fp, b.fk[FINGERPRINT_BYTES:])
+                 for b in loads]  # type: ignore[arg-type]
+
+        def done(job: Job) -> None:
+            with self.lock:
+                for b, m in zip(loads, job.moves):
+                    ev, b.loading = b.loading, None
+                    if m.ok:
+                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), None)
+                        self.remote_stats.hits += 1
+                        self.remote_stats.bytes_out += b.nbytes
+                    else:  # a miss (gone, corrupt or the remote is down): never served
+                        b.load_failed = True
+                        self.host.free(b.host_off)  # type: ignore[arg-type]
+                        b.host_off = None
+                        self.remote_stats.misses += 1
+                        self._forget(b)
+                    if ev is not None:
+                        ev.set()
+                self.changed.notify_all()
+
+        self.engine.load_remote(self.remote, moves, on_done=done)
 
     def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
         """Turn a ticket into a lease on the exact prefix that arrived within ``timeout`` seconds.
@@ -493,14 +558,14 @@ class BlockTable:
     def _store(self, blocks: list[Block]) -> Job:
         """Queue host -> disk writes of dirty blocks (their slots stay pinned until done). Lock held."""
         for b in blocks:
-            b.writing = True
+            b.writing += 1
         moves = [Move(b.fk, self.host.view(b.host_off, b.nbytes), self.namespaces_layout(b), b.fk[:FINGERPRINT_BYTES],
                       b.fk[FINGERPRINT_BYTES:]) for b in blocks]  # type: ignore[arg-type]
 
         def done(job: Job) -> None:
             with self.lock:
                 for b, m in zip(blocks, job.moves):
-                    b.writing = False
+                    b.writing -= 1
                     if job.error is None and m.ok:
                         if not b.on_disk and b.fk in self.blocks:
                             b.on_disk = True
@@ -630,6 +695,34 @@ class BlockTable:
             del self.blocks[b.fk]
             fp = b.fk[:FINGERPRINT_BYTES]
             self.ns_blocks[fp] = self.ns_blocks.get(fp, 1) - 1
+
+    def _write_through(self, blocks: list[Block]) -> None:
+        """Copy admitted host blocks to the remote tier in the background (slots pinned meanwhile).
+        Lock held."""
+        if self.remote is None:
+            return
+        mode = self.cfg.remote.admission
+        todo = [b for b in blocks if not b.on_remote and b.host_off is not None and b.loading is None
+                and (mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 1)))]
+        if not todo:
+            return
+        for b in todo:
+            b.writing += 1
+            b.on_remote = True  # optimistic: a failed write is undone below
+        moves = [Move(b.fk, self.host.view(b.host_off, b.nbytes), self.namespaces_layout(b),
+                      b.fk[:FINGERPRINT_BYTES], b.fk[FINGERPRINT_BYTES:]) for b in todo]  # type: ignore[arg-type]
+
+        def done(job: Job) -> None:
+            with self.lock:
+                for b, m in zip(todo, job.moves):
+                    b.writing -= 1
+                    if m.ok:
+                        self.remote_stats.bytes_in += b.nbytes
+                    else:
+                        b.on_remote = False
+                self.changed.notify_all()
+
+        self.engine.store_remote(self.remote, moves, on_done=done)
 
     def _touch(self, b: Block) -> None:
         b.hits += 1
@@ -802,6 +895,22 @@ class BlockTable:
         if self.disk is not None and self.disk_used > new.disk.high_watermark * new.disk.capacity:
             self.engine.store([])  # an empty job runs make_room: the disk shrinks to its new size
 
+    def remote_snapshot(self) -> dict | None:
+        """The remote tier's figures for ``tierkv stats`` (server memory asked at most every 5 s)."""
+        if self.remote is None:
+            return None
+        now = time.monotonic()
+        if now - self._remote_info[0] > 5.0:
+            self._remote_info = (now, self.remote.server_info())
+        info = self._remote_info[1] or {}
+        d = self.remote.stats()
+        with self.lock:
+            known = sum(1 for b in self.blocks.values() if b.on_remote)
+        d.update({"capacity_bytes": info.get("max_bytes", 0), "used_bytes": info.get("used_bytes", 0),
+                  "blocks": known, "eviction_policy": info.get("policy", ""),
+                  "bytes_logical": self.remote_stats.bytes_in, "bytes_stored": d.get("bytes_in", 0)})
+        return d
+
     # ---- scrub ------------------------------------------------------------------------------------
     def verify(self, drop: bool = False) -> dict:
         """Decode every disk value (header, sizes, checksum); report bad ones and optionally drop them."""
@@ -859,6 +968,8 @@ class BlockTable:
         self._kick.set()
         self._evictor.join(5)
         self.engine.close(timeout)
+        if self.remote is not None:
+            self.remote.close()
         if self.disk is not None:
             self.disk.close()
         self.host.close()

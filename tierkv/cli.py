@@ -18,7 +18,7 @@ _SERVE_FLAGS = {
     "socket": "server.socket", "data_dir": "server.data_dir", "host_capacity": "host.capacity",
     "disk_capacity": "disk.capacity", "slab_bytes": "host.slab_bytes", "codec": "disk.codec",
     "no_disk": "disk.enabled", "policy": "host.policy", "disk_workers": "disk.workers",
-    "log_level": "server.log_level",
+    "log_level": "server.log_level", "remote": "remote.url", "remote_admission": "remote.admission",
 }
 
 
@@ -73,6 +73,9 @@ def main() -> None:
 @click.option("--policy", help="Host eviction policy.")
 @click.option("--disk-workers", type=int, help="Encode/decode worker threads.")
 @click.option("--no-disk", is_flag=True, default=None, help="Run without the disk tier.")
+@click.option("--remote", help="Shared remote tier: redis://, rediss://, unix://, or redis+cluster://h1:p1,h2:p2.")
+@click.option("--remote-admission", type=click.Choice(["all", "reused", "pinned"]),
+              help="Which blocks are written through to the remote tier.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the daemon in the foreground (SIGTERM/SIGINT drain and exit 0)."""

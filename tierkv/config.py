@@ -110,6 +110,9 @@ class BudgetConfig:
     """host <-> remote."""
 
 
+from .tiers.remote import RemoteConfig  # noqa: E402 - the remote tier documents its own settings
+
+
 @dataclass
 class Config:
     """All settings of one daemon."""
@@ -118,11 +121,12 @@ class Config:
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
     policy: dict[str, Any] = field(default_factory=dict)
     """Policy weights (``[policy]`` table, ``policy.<name>`` keys), applied to every tier whose policy has them."""
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
-    SECTIONS = ("server", "host", "disk", "budget", "policy")
+    SECTIONS = ("server", "host", "disk", "budget", "remote", "policy")
 
     @property
     def socket_path(self) -> str:
@@ -173,6 +177,7 @@ class Config:
         for name in ("host_disk", "gpu_host", "host_remote"):
             if getattr(self.budget, name) < 0:
                 raise ValueError(f"budget.{name} must be >= 0")
+        self.remote.validate()
 
     def policy_settings(self, name: str) -> dict[str, Any]:
         """The ``[policy]`` settings that the policy ``name`` has."""
@@ -204,7 +209,7 @@ class Config:
         self.sources[dotted] = source
 
 
-_SIZE_KEYS = {"capacity", "slab_bytes", "max_frame_bytes", "host_disk", "gpu_host", "host_remote"}
+_SIZE_KEYS = {"capacity", "slab_bytes", "max_frame_bytes", "host_disk", "gpu_host", "host_remote", "batch_bytes"}
 
 
 def _convert(name: str, typ: Any, value: Any, key: str) -> Any:

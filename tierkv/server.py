@@ -345,14 +345,20 @@ class Server:
 
     def _op_health(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
-        return {"status": "degraded" if self.table.degraded else "ok", "reason": self.table.degraded}
+        reason = self.table.degraded
+        if self.table.remote is not None and self.table.remote.state()["state"] != "up":
+            reason = reason or f"remote tier {self.table.remote.state()['state']}"
+        return {"status": "degraded" if reason else "ok", "reason": reason}
 
     def _op_verify(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
         return self.table.verify(bool(body.get("drop", False)))
 
     def _op_config(self, conn: socket.socket, s: Session, body: dict) -> dict:
-        return {"settings": self.cfg.to_dict(), "sources": dict(self.cfg.sources)}
+        settings = self.cfg.to_dict()
+        if settings["remote"].get("password"):
+            settings["remote"]["password"] = "***"
+        return {"settings": settings, "sources": dict(self.cfg.sources)}
 
     # Settings fixed at start-up (they shape the pool, the socket or the LMDB environment).
     _RESTART_ONLY = ("server.socket", "server.data_dir", "server.allow_uids", "server.max_frame_bytes",
@@ -422,6 +428,10 @@ class Server:
                                               readers=t.disk.readers(), policy=t.disk_policy.name,
                                               admission=t.cfg.disk.admission, admitted=t.admitted,
                                               rejected=t.rejected)
+        remote = t.remote_snapshot()  # may touch the network: outside the table lock
+        if remote is not None:
+            tiers["remote"] = remote
+        with t.lock:
             namespaces = {ns.fingerprint.hex(): {"model": ns.model, "layout": ns.layout.to_dict(),
                                                  "tp_rank": ns.tp_rank, "blocks": t.ns_blocks.get(fp, 0)}
                           for fp, ns in t.namespaces.items()}

@@ -78,6 +78,8 @@ class TransferEngine:
         self._ids = itertools.count(1)
         self._encode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-encode")
         self._decode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-decode")
+        # one writer keeps remote write-through in commit order and off the load path
+        self._remote_writer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-remote-writer")
         self._stores: queue.Queue[Job | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
@@ -206,6 +208,53 @@ class TransferEngine:
             m.error = f"load failed: {exc}"
             log.exception("disk load")
 
+    # ---- remote: host <-> remote ---------------------------------------------------------------------
+    def load_remote(self, remote: Any, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
+        """Fetch, verify and decode ``moves`` from the remote tier into their host slots (one batch)."""
+        job = Job(next(self._ids), ("remote", "host"), moves, on_done=on_done)
+        with self._lock:
+            self.inflight += 1
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                with self.budgets.transfer("host<->remote", sum(m.view.nbytes for m in moves)):
+                    oks = remote.fetch_verified([(m.fingerprint, m.key) for m in moves], moves[0].layout,
+                                                [m.view for m in moves])
+                for m, ok in zip(moves, oks):
+                    m.ok = bool(ok)
+            except Exception as exc:  # the tier reports misses itself; anything else is still a miss
+                log.warning("remote load failed: %s", exc)
+            job.seconds = time.perf_counter() - t0
+            got = sum(m.view.nbytes for m in moves if m.ok)
+            if got:
+                self.cost.observe("remote", got, job.seconds)
+            self._finish(job)
+
+        self._decode.submit(run)
+        return job
+
+    def store_remote(self, remote: Any, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
+        """Write ``moves`` through to the remote tier (encoded there); the slots stay pinned until done."""
+        job = Job(next(self._ids), ("host", "remote"), moves, on_done=on_done)
+        with self._lock:
+            self.inflight += 1
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                with self.budgets.transfer("host<->remote", sum(m.view.nbytes for m in moves)):
+                    oks = remote.store_blocks([(m.fingerprint, m.key, m.view) for m in moves], moves[0].layout)
+                for m, ok in zip(moves, oks):
+                    m.ok = bool(ok)
+            except Exception as exc:
+                log.warning("remote store failed: %s", exc)
+            job.seconds = time.perf_counter() - t0
+            self._finish(job)
+
+        self._remote_writer.submit(run)
+        return job
+
     # ---- lifecycle --------------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
         with self._lock:
@@ -221,5 +270,6 @@ class TransferEngine:
         """Finish queued jobs (bounded by ``timeout``), then stop the threads."""
         self._stores.put(None)
         self._writer.join(timeout)
+        self._remote_writer.shutdown(wait=True)
         self._encode.shutdown(wait=True)
         self._decode.shutdown(wait=True)
