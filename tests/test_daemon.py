@@ -190,8 +190,8 @@ def test_client_killed_releases_leases(daemon):
     os.kill(p.pid, signal.SIGKILL)
     p.join()
     deadline = time.time() + 10
-    while time.time() < deadline and daemon.stats()["leases"]:
-        time.sleep(0.05)
+    while time.time() < deadline and (daemon.stats()["leases"] or daemon.stats()["clients"] > 1):
+        time.sleep(0.05)  # earlier stats connections may take a moment to be noticed as closed
     st = daemon.stats()
     assert st["leases"] == 0 and st["clients"] == 1  # only the stats request's own connection
     assert st["tiers"]["host"]["used_bytes"] == used_before - 3 * 8192  # the 3 uncommitted slots came back

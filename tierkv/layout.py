@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-# Canonical dtype names; numpy has no bfloat16 / float8, so bytes are handled as uint8/uint16 there.
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
+if TYPE_CHECKING:
+    import torch
+
+# Canonical dtype names (torch's own); numpy has no bfloat16 / float8, so those bytes are handled as
+# uint8/uint16 there. torch is imported only where a torch dtype is asked for: the daemon never needs
+# it, and importing it costs seconds.
+_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 _ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
             "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn"}
@@ -28,16 +25,17 @@ _NUMPY_VIEW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint
 
 def dtype_name(dtype: Any) -> str:
     """Return the canonical name of a torch dtype, numpy dtype or string (``"bfloat16"``, ...)."""
-    if isinstance(dtype, torch.dtype):
-        for name, td in _TORCH_DTYPES.items():
-            if td == dtype:
-                return name
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and isinstance(dtype, torch_mod.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name in _NAMES:
+            return name
         raise ValueError(f"unsupported dtype {dtype}")
     if isinstance(dtype, str):
         name = _ALIASES.get(dtype.lower(), dtype.lower()).removeprefix("torch.")
-        if name in _TORCH_DTYPES:
+        if name in _NAMES:
             return name
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_TORCH_DTYPES)}")
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_NAMES)}")
     try:
         return dtype_name(np.dtype(dtype).name)
     except TypeError as exc:
@@ -46,7 +44,9 @@ def dtype_name(dtype: Any) -> str:
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a canonical dtype name."""
-    return _TORCH_DTYPES[dtype_name(name)]
+    import torch
+
+    return getattr(torch, dtype_name(name))
 
 
 def numpy_view_dtype(name: str) -> np.dtype:
@@ -112,7 +112,7 @@ class Layout:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The element type as a torch dtype."""
-        return _TORCH_DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     def batch_shape(self, n: int) -> tuple[int, ...]:
         """Shape of ``n`` blocks: ``(n, 2, layers, kv_heads, block_tokens, head_dim)``."""

@@ -6,10 +6,10 @@ release the GIL (zstd contexts are per thread).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
-import torch
 import xxhash
 
 from ..errors import BadRequest
@@ -25,7 +25,8 @@ MIN_LOSSLESS_RATIO = 1.1
 
 def _as_u8(buf: Any, nbytes: int, *, writable: bool, what: str) -> np.ndarray:
     """A flat uint8 numpy view of a C-contiguous buffer of exactly ``nbytes`` (no copy)."""
-    if isinstance(buf, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
+    if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise BadRequest(f"{what} must be a contiguous CPU tensor")
         arr = buf.detach().reshape(-1).view(torch.uint8).numpy()
