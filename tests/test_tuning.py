@@ -125,3 +125,22 @@ def test_disk_admission_reused_only(daemon_factory):
         st = c.stats()["tiers"]["disk"]
         assert st["rejected"] > 0
         assert c.lookup(hot) == 4
+
+
+def test_codec_switch_at_run_time_keeps_old_blocks_readable(daemon):
+    with daemon.client() as c:
+        old = keys_for(c, 4, seed=6)
+        c.put(old, rand_blocks(4, seed=6), durable=True)  # lossless on disk
+        r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.codec=int8"])
+        assert r.exit_code == 0, r.output
+        new = keys_for(c, 4, seed=7)
+        c.put(new, rand_blocks(4, seed=7), durable=True)  # int8 on disk
+        assert c.stats()["tiers"]["disk"]["codec"] == "int8"
+    daemon.restart()  # everything now comes from disk
+    with daemon.client() as c:
+        assert c.lookup_tiers(old + new) == ["disk"] * 8
+        assert torch.equal(c.get(old).view(torch.int16), rand_blocks(4, seed=6).view(torch.int16))  # exact
+        got = c.get(new).float()
+        want = rand_blocks(4, seed=7).float()
+        assert not torch.equal(got, want)  # int8 is lossy...
+        assert ((got - want).norm() / want.norm()) < 0.02  # ...within its bound

@@ -145,6 +145,44 @@ def dd_ref(path: Path, reps: int) -> dict:
     return {"write": best_median(w), "read": best_median(r)}
 
 
+_LMDB_REF = r"""
+import lmdb, os, sys, time, numpy as np
+d, reps = sys.argv[1], int(sys.argv[2])
+vals = [np.random.default_rng(i).integers(0, 255, 2 << 20, dtype=np.uint8).tobytes() for i in range(24)]
+env = lmdb.open(d, map_size=2 << 30, sync=True, metasync=True, readahead=False, meminit=False)
+env.close()
+fd = os.open(d + "/data.mdb", os.O_RDWR); os.posix_fallocate(fd, 0, 2 << 30); os.close(fd)
+env = lmdb.open(d, map_size=2 << 30, sync=True, metasync=True, readahead=False, meminit=False)
+out = []
+for r in range(reps):
+    t = time.perf_counter()
+    for b in range(8):  # 8 transactions of 24 x 2 MiB (48 MiB), as the disk writer batches
+        with env.begin(write=True) as txn:
+            for j in range(24):
+                txn.put(b"%d-%d-%d" % (r, b, j), vals[j])
+    out.append(8 * 24 * (2 << 20) / (time.perf_counter() - t) / 1e9)
+    with env.begin(write=True) as txn:
+        for b in range(8):
+            for j in range(24):
+                txn.delete(b"%d-%d-%d" % (r, b, j))
+print(" ".join(map(str, out)))
+"""
+
+
+def lmdb_ref(tmp: Path, reps: int) -> dict:
+    """LMDB alone: durable put+commit of 2 MiB values into a preallocated file, with the daemon's allocator
+    tunables. The ceiling of any LMDB-backed tier on this disk."""
+    from tierkv.cli import _TUNABLES
+
+    d = tmp / "lmdb-ref"
+    d.mkdir()
+    env = dict(os.environ, GLIBC_TUNABLES=_TUNABLES)
+    out = subprocess.run([sys.executable, "-c", _LMDB_REF, str(d), str(reps)], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    shutil.rmtree(d, ignore_errors=True)
+    return {"write": best_median([float(x) for x in out])}
+
+
 def disk_bench(tmp: Path, blocks: torch.Tensor, reps: int, codec: str) -> dict:
     data = tmp / f"disk-{codec}"
     sock = str(tmp / f"d-{codec}.sock")
@@ -260,7 +298,8 @@ def main() -> None:
         res["host"] = host_bench(tmp, blocks, args.reps)
         print("host done", flush=True)
         res["dd"] = dd_ref(tmp, args.reps)
-        print("dd done", flush=True)
+        res["lmdb"] = lmdb_ref(tmp, args.reps)
+        print("dd and lmdb done", flush=True)
         res["disk"] = [disk_bench(tmp, blocks, max(2, args.reps // 2), c) for c in args.codecs.split(",")]
         print("disk done", flush=True)
         res["lookup"] = lookup_bench(tmp, blocks)
@@ -280,7 +319,8 @@ def report(r: dict) -> None:
             ("host put (client, 256 x 2 MiB)", r["host"]["put"], mc, 0.8),
             ("host get (client, 256 x 2 MiB)", r["host"]["get"], mc, 0.8),
             ("dd oflag=direct write (reference)", r["dd"]["write"], ddw, None),
-            ("dd iflag=direct read (reference)", r["dd"]["read"], ddr, None)]
+            ("dd iflag=direct read (reference)", r["dd"]["read"], ddr, None),
+            ("LMDB alone: durable put+commit, raw 2 MiB", r["lmdb"]["write"], ddw, None)]
     for d in r["disk"]:
         rows += [(f"disk write durable, {d['codec']} ({d['ratio']:.2f}x)", d["write"], ddw, 1.0),
                  (f"disk read cold (page cache dropped), {d['codec']}", d["read_cold"], ddr, 1.0),
