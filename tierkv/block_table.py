@@ -239,6 +239,7 @@ class BlockTable:
                     self.blocks[fk] = b
                     self.ns_blocks[s.fp] = self.ns_blocks.get(s.fp, 0) + 1
                     self.host_policy.on_insert(fk, self.host.slot_size_at(off), parent)
+                    self.host_policy.on_access(fk)  # a store is a use (insert alone is not counted)
                     self.host_stats.bytes_in += b.nbytes
                     new.append(b)
                 elif b.host_off is None and b.loading is None:

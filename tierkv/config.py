@@ -91,7 +91,7 @@ class DiskConfig:
     """fsync each write transaction (required for durable acknowledgements)."""
     write_batch: int = 256
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
-    policy: str = "lru"
+    policy: str = "attention"
     """Eviction policy for this tier (what to drop when the disk is full)."""
     admission: Literal["all", "reused", "pinned"] = "reused"
     """Which host victims are written to disk: every one, those used twice / shared / pinned, or pinned

@@ -3,11 +3,14 @@
 For block ``b`` resident in this tier (algorithms.md A3; higher stays longer)::
 
     F  = F * 2^(-dt/half_life_s) + 1            on every use (recency and frequency in one number)
+    F' = 1 + log2(min(F, freq_cap))             (``freq_shape=log``; ``linear`` uses F itself)
+    B  = (uses(b) / uses(parent))^branch_weight a rarely taken branch below a busy prefix (a
+                                                per-request suffix) is worth less than the prefix
     R  = 1 + beta * log2(1 + sharers)           live leases + prefix children (``on_sharers``)
     C  = min(fetch_s from the next tier, recompute_s)       or ``cost_fn(key, size)``
          recompute_s = block_tokens / prefill_tokens_per_s * (1 + depth_tokens / attn_double_tokens)
     A  = attention mass reported by ``on_touch``, decayed with ``attn_half_life_s`` (1.0 = uniform)
-    priority = L + (min(F, freq_cap) * R + gamma * A) * C / S
+    priority = L + (F' * B * R + gamma * A) * C / S
     L  = priority of the last block evicted from this tier (GDSF aging clock)
 
 A block is only a candidate once none of its prefix children is resident in this tier
@@ -41,12 +44,14 @@ class AttentionPolicy(HeapPolicy):
 
     name = "attention"
     SETTINGS = {
-        "half_life_s": Setting(0.0, "seconds for the use frequency F to halve (0 = no decay)", min=0.0),
-        "freq_cap": Setting(4.0, "upper bound on F in the score (0 = none)", min=0.0),
+        "half_life_s": Setting(600.0, "seconds for the use frequency F to halve (0 = no decay)", min=0.0),
+        "freq_cap": Setting(0.0, "upper bound on F in the score (0 = none)", min=0.0),
+        "freq_shape": Setting("log", "how F enters the score: log (1 + log2 F) or linear",
+                              choices=("log", "linear")),
         "beta": Setting(0.5, "weight of log2(1 + sharers)", min=0.0),
         "gamma": Setting(1.0, "weight of the attention mass term", min=0.0),
         "attn_half_life_s": Setting(30.0, "seconds for reported attention mass to halve", min=0.0),
-        "branch_weight": Setting(1.0, "exponent of count(block) / count(parent): a rarely taken branch "
+        "branch_weight": Setting(0.0, "exponent of count(block) / count(parent): a rarely taken branch "
                                  "below a busy prefix is worth less (0 = off)", min=0.0),
         "tails_first": Setting(True, "only evict blocks with no resident children (parent >= children)"),
         "block_tokens": Setting(16, "tokens per block, for the recompute cost", min=1),
@@ -95,6 +100,8 @@ class AttentionPolicy(HeapPolicy):
         f = decayed(rec, now, s["half_life_s"])
         if s["freq_cap"] > 0:
             f = min(f, s["freq_cap"])
+        if s["freq_shape"] == "log":
+            f = 1.0 + math.log2(max(f, 1.0))
         value = f
         parent = self._parent.get(key)
         if parent is not None and s["branch_weight"] > 0:

@@ -176,6 +176,7 @@ class HeapPolicy(Policy):
         self._parent: dict[Hashable, Hashable] = {}
         self._kids: dict[Hashable, int] = {}  # resident children per parent key (parent may be absent)
         self._heap: list[tuple[float, int, Hashable]] = []
+        self._pending: dict[Hashable, None] = {}  # re-scored since the last victims(): pushed lazily
         self._seq = itertools.count()
         self._last_victims: set[Hashable] = set()
         self.level = 0.0  # GDSF inflation clock: priority of the last block chosen and removed
@@ -203,22 +204,30 @@ class HeapPolicy(Policy):
             else:
                 del self._kids[parent]
                 if self.tails_first and parent in self._prio:  # the parent is a leaf again
-                    heapq.heappush(self._heap, (self._prio[parent], self._ver[parent], parent))
+                    self._pending[parent] = None
         return True
 
     def _set_priority(self, key: Hashable, prio: float) -> None:
-        ver = next(self._seq)
         self._prio[key] = prio
-        self._ver[key] = ver
-        if not (self.tails_first and self._kids.get(key)):
-            heapq.heappush(self._heap, (prio, ver, key))
-        if len(self._heap) > 4 * len(self._size) + 1024:
+        self._ver[key] = next(self._seq)
+        self._pending[key] = None  # several updates before the next victims() cost one push
+
+    def _flush(self) -> None:
+        """Push the entries of blocks re-scored since the last call (leaves only with tails_first)."""
+        heap, prio, ver, kids = self._heap, self._prio, self._ver, self._kids
+        tails = self.tails_first
+        for key in self._pending:
+            if key in prio and not (tails and kids.get(key)):
+                heapq.heappush(heap, (prio[key], ver[key], key))
+        self._pending.clear()
+        if len(heap) > 4 * len(self._size) + 1024:
             self._compact()
 
     def _compact(self) -> None:
         self._heap = [(self._prio[k], self._ver[k], k) for k in self._size
                       if not (self.tails_first and self._kids.get(k))]
         heapq.heapify(self._heap)
+        self._pending.clear()
 
     def on_remove(self, key: Hashable) -> None:
         if key in self._last_victims:  # an eviction we chose: advance the aging clock
@@ -233,6 +242,8 @@ class HeapPolicy(Policy):
     def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
         if nbytes <= 0:
             return []
+        if self._pending:
+            self._flush()
         heap, chosen, got = self._heap, [], 0
         popped: list[tuple[float, int, Hashable]] = []  # entries to put back (victims must not mutate)
         chosen_set: set[Hashable] = set()

@@ -31,7 +31,7 @@ class History:
         max_entries: records kept; the least recently used beyond this are dropped.
     """
 
-    def __init__(self, max_entries: int = 1 << 20) -> None:
+    def __init__(self, max_entries: int = 1 << 18) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries

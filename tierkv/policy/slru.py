@@ -12,7 +12,7 @@ from tierkv.policy.base import Policy, Protected, Setting, never, register
 class SLRUPolicy(Policy):
     """Two LRU lists (as SGLang's SLRU). New blocks enter *probation*; a hit there moves them to
     *protected*, which may hold at most ``protected_fraction`` of the resident bytes (its coldest
-    blocks fall back to probation). Victims come from probation first, so one-shot scans never
+    blocks fall back to probation; the tier's capacity is taken as the most bytes ever resident). Victims come from probation first, so one-shot scans never
     push out blocks that were used twice. ``on_insert`` is not a use; the second ``on_access``
     in this tier protects a block."""
 
@@ -28,6 +28,7 @@ class SLRUPolicy(Policy):
         self._uses: dict[Hashable, int] = {}
         self._prot_bytes = 0
         self._bytes = 0
+        self._peak = 0
         super().__init__(**kwargs)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
@@ -37,6 +38,7 @@ class SLRUPolicy(Policy):
         self._prob[key] = int(size)
         self._uses[key] = 0
         self._bytes += int(size)
+        self._peak = max(self._peak, self._bytes)
 
     def on_access(self, key: Hashable) -> None:
         if key in self._prot:
@@ -52,7 +54,7 @@ class SLRUPolicy(Policy):
             self._rebalance()
 
     def _rebalance(self) -> None:
-        limit = self._settings["protected_fraction"] * self._bytes
+        limit = self._settings["protected_fraction"] * self._peak
         while self._prot_bytes > limit and self._prot:
             key, size = self._prot.popitem(last=False)
             self._prot_bytes -= size
