@@ -95,6 +95,7 @@ class BlockTable:
         self.blocks: dict[bytes, Block] = {}
         self.namespaces: dict[bytes, Namespace] = {}
         self.ns_blocks: dict[bytes, int] = {}
+        self._ns_sessions: dict[bytes, int] = {}  # connections bound to each namespace
         self.host = HostPool(cfg.host.capacity, cfg.host.slab_bytes, cfg.host.prefault)
         self.host_policy = make_policy(cfg.host.policy, **cfg.policy_settings(cfg.host.policy))
         self.disk_policy = make_policy(cfg.disk.policy, **cfg.policy_settings(cfg.disk.policy))
@@ -150,6 +151,8 @@ class BlockTable:
                 continue
             b = Block(lk, h.raw_len, on_disk=True, disk_bytes=len(value))
             self.blocks[lk] = b
+            fp = lk[:FINGERPRINT_BYTES]
+            self.ns_blocks[fp] = self.ns_blocks.get(fp, 0) + 1  # _forget counts it down again
             self._disk_added(b)
         if bad:
             self.disk.delete(bad)
@@ -159,14 +162,19 @@ class BlockTable:
 
     # ---- namespaces and sessions ------------------------------------------------------------------
     def register(self, session: Session, ns: Namespace) -> None:
-        """Bind a connection to its namespace."""
+        """Bind a connection to its namespace (once: its slots and leases are sized for it)."""
         slot = slot_size_for(ns.layout.block_bytes)
         if slot > self.host.slab_bytes:
             raise BadRequest(f"a block of {ns.layout.block_bytes} bytes exceeds the host slab size "
                              f"({self.host.slab_bytes}); raise host.slab_bytes")
         with self.lock:
+            if session.ns is not None:
+                if session.ns != ns:
+                    raise BadRequest("this connection is bound to another namespace; open a new connection")
+                return
             session.ns, session.fp = ns, ns.fingerprint
             self.namespaces.setdefault(session.fp, ns)
+            self._ns_sessions[session.fp] = self._ns_sessions.get(session.fp, 0) + 1
 
     def close_session(self, session: Session) -> None:
         """Release everything a connection held (it may have died without a word)."""
@@ -183,6 +191,15 @@ class BlockTable:
             for off in session.slots:
                 self.host.free(off)
             session.slots.clear()
+            if session.ns is not None:
+                fp = session.fp
+                self._ns_sessions[fp] -= 1
+                if self._ns_sessions[fp] == 0 and self.ns_blocks.get(fp, 0) <= 0:
+                    # nobody uses it and it holds no block: forget it (HELLOs must not grow memory)
+                    del self._ns_sessions[fp]
+                    self.namespaces.pop(fp, None)
+                    self.ns_blocks.pop(fp, None)
+                session.ns = None
             self.changed.notify_all()
 
     # ---- store path -------------------------------------------------------------------------------
@@ -507,6 +524,8 @@ class BlockTable:
         """End leases; unknown ids (double release, another client's lease) are an error."""
         with self.lock:
             ids = list(lease_ids)
+            if len(set(ids)) != len(ids):
+                raise BadRequest("a lease id appears twice")
             for lid in ids:
                 if lid not in s.leases:
                     raise BadRequest(f"lease {lid!r} is not held by this connection")

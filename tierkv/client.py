@@ -241,7 +241,9 @@ class Client:
         src = self._check_blocks(blocks, len(keys))
         if not keys:
             return 0
-        offsets = self._call(Op.ALLOC, {"n": len(keys), "keys": keys})["slots"]
+        # A durable put writes every block, cached or not: a cached copy may live in host memory only,
+        # and COMMIT makes durable exactly the keys it is given.
+        offsets = self._call(Op.ALLOC, {"n": len(keys), "keys": None if durable else keys})["slots"]
         new_keys, new_slots = [], []
         try:
             for i, off in enumerate(offsets):

@@ -12,6 +12,7 @@ Bulk data never travels here: blocks live in shared memory and frames carry slot
 from __future__ import annotations
 
 import enum
+import mmap
 import socket
 import struct
 from typing import Any
@@ -130,9 +131,31 @@ class FrameReader:
         """Read one frame; return (opcode, status, request id, body)."""
         self._fill(HEADER_BYTES)
         op, status, rid, length = parse_header(bytes(self.buf[:HEADER_BYTES]), self.max_frame)
-        self._fill(HEADER_BYTES + length)  # safe: length was checked against the cap above
-        body = unpack_body(bytes(self.buf[HEADER_BYTES:HEADER_BYTES + length]), self.max_frame) if length else None
-        del self.buf[:HEADER_BYTES + length]
+        end = HEADER_BYTES + length  # safe: length was checked against the cap above
+        if len(self.buf) < end and length > self.bufsize:
+            # A large body goes into an anonymous mapping of its size: pages are touched only as bytes
+            # arrive (a truncated frame costs what was sent, not what it claimed) and go back to the OS
+            # afterwards (malloc would keep them: the daemon runs with a 256 MiB trim threshold).
+            with mmap.mmap(-1, length) as area, memoryview(area) as view:
+                have = len(self.buf) - HEADER_BYTES
+                view[:have] = self.buf[HEADER_BYTES:]
+                self.buf = bytearray()
+                while have < length:
+                    k = self.sock.recv_into(view[have:], length - have)
+                    if k == 0:
+                        raise ConnectionError("peer closed the connection")
+                    have += k
+                return op, status, rid, unpack_body(view, self.max_frame)
+        self._fill(end)
+        body = None
+        if length:
+            with memoryview(self.buf) as view:
+                part = view[HEADER_BYTES:end]
+                try:
+                    body = unpack_body(part, self.max_frame)
+                finally:
+                    part.release()
+        del self.buf[:end]
         return op, status, rid, body
 
 

@@ -9,6 +9,7 @@ forces exit.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -215,7 +216,9 @@ class Server:
                 op = Op(op)
             except ValueError:
                 raise BadRequest(f"unknown opcode {op}") from None
-            handler = getattr(self, f"_op_{op.name.lower()}")
+            handler = getattr(self, f"_op_{op.name.lower()}", None)
+            if handler is None:  # a number the protocol reserves but this daemon does not serve
+                raise BadRequest(f"opcode {op.name} is not supported by this daemon")
             if body is not None and not isinstance(body, dict):
                 raise BadRequest("request body must be a map")
             s.rid = rid
@@ -273,8 +276,8 @@ class Server:
     def _op_abort(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
         slots = body.get("slots")
-        if not isinstance(slots, list):
-            raise BadRequest("slots must be a list")
+        if not isinstance(slots, list) or not all(type(x) is int for x in slots):
+            raise BadRequest("slots must be a list of ints")
         self.table.abort(s, slots)
         return {}
 
@@ -338,6 +341,8 @@ class Server:
             scores = [float(x) for x in scores]
         except (TypeError, ValueError):
             raise BadRequest("scores must be numbers") from None
+        if not all(math.isfinite(x) and x >= 0 for x in scores):
+            raise BadRequest("scores must be finite numbers >= 0")  # checked before any block is touched
         return {"touched": self.table.touch(s, keys, scores)}
 
     def _op_stats(self, conn: socket.socket, s: Session, body: dict) -> dict:

@@ -75,6 +75,7 @@ class TransferEngine:
         self.codec = codec
         self.level = level
         self._make_room = make_room
+        self._orphans: list[bytes] = []  # evicted by the table, still in LMDB (their delete failed)
         self._ids = itertools.count(1)
         self._encode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-encode")
         self._decode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-decode")
@@ -122,7 +123,13 @@ class TransferEngine:
         """Encode on the workers while this thread writes: batch i is written as batch i+1 encodes."""
         assert self.disk is not None
         if not job.moves and self._make_room:
-            self.disk.write([], self._make_room(0))
+            deletes = self._orphans + self._make_room(0)
+            try:
+                self.disk.write([], deletes)
+            except TierKVError:
+                self._orphans = deletes
+                raise
+            self._orphans = []
             return
         futures = [self._encode.submit(self._encode_one, m) for m in job.moves]
         i = 0
@@ -138,9 +145,18 @@ class TransferEngine:
             i = j
             puts = [(m.lmdb_key, b) for m, b in zip(moves, blobs) if b is not None]
             incoming = sum(len(b) for _, b in puts)
-            deletes = self._make_room(incoming) if self._make_room else []
-            with self.budgets.transfer("host<->disk", incoming):
-                self.disk.write(puts, deletes)
+            # Values the table evicted while a failed write held them are deleted with the next one.
+            deletes = self._orphans + (self._make_room(incoming) if self._make_room else [])
+            # Admit block by block: one large request would pass a full bucket at once.
+            for _, blob in puts:
+                self.budgets.acquire("host<->disk", len(blob))
+            try:
+                with self.budgets.transfer("host<->disk", 0):
+                    self.disk.write(puts, deletes)
+            except TierKVError:
+                self._orphans = deletes  # the table forgot them already: LMDB must follow
+                raise
+            self._orphans = []
             for m, b in zip(moves, blobs):
                 m.ok = b is not None
                 m.stored_bytes = len(b) if b is not None else 0

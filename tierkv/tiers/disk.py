@@ -18,7 +18,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from ..errors import TierFull, TierKVError
+from ..errors import PermissionDenied, TierFull, TierKVError
 
 PAGE = 4096
 # LMDB needs room beyond the payload bytes (branch pages, free-list, copy-on-write of the last txn).
@@ -61,7 +61,7 @@ class DiskTier:
         self.capacity = capacity
         self.map_size = int(capacity * MAP_OVERHEAD) + MAP_EXTRA
         self.sync = sync
-        self.path.mkdir(mode=0o700, exist_ok=True)
+        _private_env_dir(self.path)
         # writemap stays off: with writemap a full disk turns into SIGBUS instead of an error.
         self.env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=sync, metasync=sync,
                              writemap=False, map_async=False, readahead=False, meminit=False, max_readers=256,
@@ -103,19 +103,32 @@ class DiskTier:
                 raise _classify(exc) from None
 
     def _grow(self, incoming: int) -> None:
-        """Preallocate the data file ahead of the pages LMDB will use next."""
-        need = self.env.info()["last_pgno"] * PAGE + 2 * incoming + (16 << 20)
+        """Preallocate the data file ahead of the pages LMDB will use next.
+
+        The step ahead is generous; on a file system without that much room it falls back to what this
+        write needs, so a tier larger than its file system still fills the file system.
+        """
+        used = self.env.info()["last_pgno"] * PAGE
+        need = used + 2 * incoming + (16 << 20)
         if need <= self._allocated:
             return
         target = min(self.map_size, max(need, self._allocated + min(GROW_AHEAD, self.map_size // 4)))
+        tight = min(self.map_size, used + incoming + (1 << 20))
         fd = os.open(self.path / "data.mdb", os.O_RDWR | os.O_NOFOLLOW)
         try:
-            os.posix_fallocate(fd, 0, target)
-        except OSError as exc:
-            raise _classify(exc) from None
+            for size in dict.fromkeys((target, min(need, self.map_size), tight)):
+                if size <= self._allocated:
+                    return
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size == tight:
+                        raise _classify(exc) from None
+                    continue
+                self._allocated = size
+                return
         finally:
             os.close(fd)
-        self._allocated = target
 
     def delete(self, keys: list[bytes]) -> None:
         """Remove keys (missing keys are ignored)."""
@@ -167,6 +180,23 @@ class DiskTier:
         except lmdb.Error:
             pass
         self.env.close()
+
+
+def _private_env_dir(path: Path) -> None:
+    """Create the environment's directory 0700, or check an existing one (and its files) as the daemon
+    checks the data dir: not a symlink, ours, not writable by others; files made 0600."""
+    if path.is_symlink():
+        raise PermissionDenied(f"{path} is a symlink; refusing to use it")
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionDenied(f"{path} must belong to uid {os.getuid()} and not be writable by others")
+    for name in ("data.mdb", "lock.mdb"):
+        f = path / name
+        if f.is_symlink():
+            raise PermissionDenied(f"{f} is a symlink; refusing to use it")
+        if f.exists() and os.stat(f).st_mode & 0o077:
+            os.chmod(f, 0o600)  # left readable by an older version or a copy
 
 
 def _classify(exc: Exception) -> TierKVError:

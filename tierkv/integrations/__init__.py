@@ -1,0 +1,1 @@
+"""Integrations of tierkv with inference engines (transformers)."""

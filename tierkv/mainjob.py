@@ -1,0 +1,144 @@
+"""``make run``: tierkv's main job, end to end on the embedded default config.
+
+1. convert the demo model on first use (progress shown; later runs load it in seconds);
+2. start the daemon (``python -m tierkv serve --config configs/default.toml``, data under ./.tierkv/)
+   and wait until it answers;
+3. run the scripted multi-turn chat (:mod:`tierkv.demo`) and print, per turn, prompt tokens, tokens
+   served from tierkv and from which tier, TTFT with tierkv against recomputing, decode speed and
+   the reply; then the tier stats;
+4. stop the daemon with SIGTERM (it flushes host blocks to disk) and check it exits 0.
+
+A second run finds the first run's blocks on the disk tier.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .config import load_config
+from .errors import ConnectionFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "default.toml"
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 120.0
+
+
+def _ping(socket: str) -> bool:
+    from .cli import _request
+
+    try:
+        _request(socket, "PING")
+        return True
+    except ConnectionFailed:
+        return False
+
+
+def start_daemon(serve_args: list[str], socket: str, log_path: Path,
+                 timeout: float = READY_TIMEOUT_S) -> subprocess.Popen:
+    """Start ``python -m tierkv serve SERVE_ARGS`` in the background and wait until it answers on
+    ``socket``; its output goes to ``log_path``.
+
+    Raises:
+        click.ClickException: a daemon already answers there, or this one exited or never answered.
+    """
+    if _ping(socket):
+        raise click.ClickException(f"a tierkv daemon already answers at {socket}; stop it first "
+                                   "(or run `tierkv demo` against it)")
+    cmd = [sys.executable, "-m", "tierkv", "serve", *serve_args]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise click.ClickException(f"the daemon exited with {proc.returncode}:\n{_tail(log_path)}")
+        if os.path.exists(socket) and _ping(socket):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise click.ClickException(f"the daemon did not answer within {timeout:.0f} s:\n{_tail(log_path)}")
+
+
+def stop_daemon(proc: subprocess.Popen) -> int:
+    """SIGTERM and wait; the exit status (killed after :data:`STOP_TIMEOUT_S`)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return -signal.SIGKILL
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def main() -> int:
+    """Run the main job; returns the process exit status."""
+    import torch
+
+    from .demo import TURNS, format_tier_stats, format_turn, run_chat
+    from .integrations.model import cache_dir, is_converted, load_model, sidecar_threads
+
+    torch.set_num_threads(sidecar_threads())
+
+    config = CONFIG if CONFIG.is_file() else None
+    cfg = load_config(config)
+    data_dir = ROOT / cfg.server.data_dir
+    echo = click.echo
+    echo("tierkv main job: a multi-turn chat with SmolLM2-135M-Instruct whose turns reuse earlier KV")
+    echo(f"  model cache: {cache_dir()}{'' if is_converted() else ' (converting now, once)'}")
+    t0 = time.perf_counter()
+    tok, model = load_model(attn_implementation="sdpa", out=sys.stdout)
+    threads = torch.get_num_threads()
+    echo(f"  model loaded in {time.perf_counter() - t0:.1f} s ({threads} torch thread{'s' if threads > 1 else ''})")
+
+    log_path = data_dir / "daemon.log"
+    socket = cfg.socket_path
+    proc = start_daemon(["--config", str(config)] if config else [], socket, log_path)
+    echo(f"  daemon pid {proc.pid} ready on {socket} (config {config or 'built-in defaults'}, "
+         f"data {data_dir}, log {log_path})\n")
+    ok = True
+    try:
+        reports, stats = run_chat(socket, TURNS, max_new_tokens=32, check=True,
+                                  on_turn=lambda r: echo(format_turn(r)), model_and_tokenizer=(tok, model))
+        echo(format_tier_stats(stats))
+        later = reports[1:]
+        if later:
+            speed = statistics.median(r.speedup for r in later)
+            echo(f"\nturns 2-{len(reports)}: median TTFT {speed:.1f}x faster with tierkv; "
+                 f"{sum(r.cached_tokens for r in later)} of {sum(r.prompt_tokens for r in later)} prompt "
+                 "tokens served from tierkv")
+        if not all(r.matches_recompute for r in reports):
+            echo("some replies differ from recompute", err=True)
+            ok = False
+    finally:
+        rc = stop_daemon(proc)
+        echo(f"daemon stopped with exit status {rc}" + ("" if rc == 0 else f":\n{_tail(log_path)}"))
+    return 0 if ok and rc == 0 else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
