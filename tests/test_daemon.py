@@ -189,11 +189,12 @@ def test_client_killed_releases_leases(daemon):
     used_before = daemon.stats()["tiers"]["host"]["used_bytes"]
     os.kill(p.pid, signal.SIGKILL)
     p.join()
-    deadline = time.time() + 10
-    while time.time() < deadline and (daemon.stats()["leases"] or daemon.stats()["clients"] > 1):
-        time.sleep(0.05)  # earlier stats connections may take a moment to be noticed as closed
-    st = daemon.stats()
-    assert st["leases"] == 0 and st["clients"] == 1  # only the stats request's own connection
+    with daemon.client() as watcher:  # one steady connection: it counts itself as the only client
+        deadline = time.time() + 10
+        while time.time() < deadline and (watcher.stats()["leases"] or watcher.stats()["clients"] > 1):
+            time.sleep(0.05)
+        st = watcher.stats()
+    assert st["leases"] == 0 and st["clients"] == 1
     assert st["tiers"]["host"]["used_bytes"] == used_before - 3 * 8192  # the 3 uncommitted slots came back
 
 
