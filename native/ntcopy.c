@@ -61,8 +61,58 @@ static PyObject *ntcopy_copy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* merge_planes(dst, planes): rebuild little-endian words from byte planes (most significant plane
+ * first) in one pass; numpy needs one pass per plane plus shifts. */
+static PyObject *ntcopy_merge_planes(PyObject *self, PyObject *args) {
+    Py_buffer dst;
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "w*O", &dst, &seq)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "planes must be a sequence");
+    if (!fast) { PyBuffer_Release(&dst); return NULL; }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n < 1 || n > 8 || dst.len % n != 0) {
+        Py_DECREF(fast); PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "need 1..8 planes dividing the destination size");
+        return NULL;
+    }
+    Py_buffer planes[8];
+    Py_ssize_t got = 0, count = dst.len / n;
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &planes[got], PyBUF_C_CONTIGUOUS) < 0) break;
+        if (planes[got].len != count) {
+            PyBuffer_Release(&planes[got]);
+            PyErr_SetString(PyExc_ValueError, "every plane must hold one byte per word");
+            break;
+        }
+    }
+    if (got < n) {
+        for (Py_ssize_t j = 0; j < got; j++) PyBuffer_Release(&planes[j]);
+        Py_DECREF(fast); PyBuffer_Release(&dst);
+        return NULL;
+    }
+    unsigned char *out = (unsigned char *)dst.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (n == 2) {
+        const unsigned char *hi = planes[0].buf, *lo = planes[1].buf;
+        uint16_t *w = (uint16_t *)out;  /* little-endian: low byte first */
+        for (Py_ssize_t i = 0; i < count; i++) w[i] = (uint16_t)(((uint16_t)hi[i] << 8) | lo[i]);
+    } else {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const unsigned char *p = planes[j].buf;
+            Py_ssize_t at = n - 1 - j;
+            for (Py_ssize_t i = 0; i < count; i++) out[i * n + at] = p[i];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < n; j++) PyBuffer_Release(&planes[j]);
+    Py_DECREF(fast);
+    PyBuffer_Release(&dst);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy", ntcopy_copy, METH_VARARGS, "copy(dst, src): copy equal-sized contiguous buffers with streaming stores."},
+    {"merge_planes", ntcopy_merge_planes, METH_VARARGS, "merge_planes(dst, planes): words from byte planes, most significant first."},
     {NULL, NULL, 0, NULL},
 };
 

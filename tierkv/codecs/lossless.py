@@ -12,6 +12,11 @@ from typing import Any
 
 import numpy as np
 
+try:  # one-pass plane merge from native/ntcopy.c; numpy's shift-or below is the fallback
+    from .._ntcopy import merge_planes as _merge_planes
+except ImportError:  # pragma: no cover
+    _merge_planes = None
+
 from ..layout import Layout
 from .base import Codec
 from .zstdio import Policy
@@ -87,7 +92,11 @@ class LosslessCodec(Codec):
         return [(p, Policy.TRY if i == 0 else Policy.PROBE) for i, p in enumerate(planes)]
 
     def decode(self, sections: list[Any], layout: Layout, params: dict[str, Any], out: np.ndarray) -> None:
-        words = self._words(out, layout, bool(params.get("channel_major", False)))
+        channel_major = bool(params.get("channel_major", False))
+        if _merge_planes is not None and not channel_major and out.flags.c_contiguous:
+            _merge_planes(out, sections)  # one native pass (native/ntcopy.c), GIL released
+            return
+        words = self._words(out, layout, channel_major)
         planes = [np.frombuffer(sec, dtype=np.uint8).reshape(words.shape) for sec in sections]
         words[...] = planes[0]
         for plane in planes[1:]:  # most significant first: shift the word up, or the next byte in

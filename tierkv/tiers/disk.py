@@ -28,18 +28,22 @@ MAP_EXTRA = 64 << 20
 # transaction costs ext4 block allocation and journal work (measured: 0.4 vs 1.0-1.6 GB/s commits).
 GROW_AHEAD = 1 << 30
 _MADV_WILLNEED = 3
+_MADV_POPULATE_READ = 22  # Linux 5.14+: fault a whole range in at once
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _willneed(value: memoryview) -> None:
-    """Start readahead of a whole value: LMDB maps with MADV_RANDOM, so a cold 2 MiB value would
-    otherwise fault in 4 KiB at a time."""
+    """Map a whole value before decoding it. LMDB maps with MADV_RANDOM, so a 2 MiB value would
+    otherwise take ~500 separate page faults (measured: 0.4 vs 2.4 GB/s on a first read); one
+    MADV_POPULATE_READ maps (and if needed reads) the range in one go. Older kernels: readahead hint."""
     if len(value) < 64 << 10:
         return
     addr = np.frombuffer(value, np.uint8).ctypes.data
     start = addr & ~(PAGE - 1)
-    _libc.madvise(start, addr + len(value) - start, _MADV_WILLNEED)
+    length = addr + len(value) - start
+    if _libc.madvise(start, length, _MADV_POPULATE_READ) != 0:
+        _libc.madvise(start, length, _MADV_WILLNEED)
 
 
 class DiskError(TierKVError):
