@@ -3,7 +3,7 @@
 from .errors import TierKVError
 from .layout import Layout
 
-__all__ = ["Client", "Layout", "TierKVError"]
+__all__ = ["Client", "Layout", "TierKVError"]  # noqa: F822 - Client is loaded lazily (torch)
 __version__ = "0.1.0"
 
 

@@ -1,0 +1,311 @@
+"""Soak: N client processes with an oracle against one daemon for a given time; resource slopes.
+
+Every client runs a random mix of put (some durable), get, lookup, acquire-hold-release, alloc+abort,
+delete and reconnect over its own keys and a set shared by all clients. Block bytes derive from the
+key, so every get is checked (a mismatch is a wrong block served). The daemon is sampled every
+``--sample`` seconds: RSS split into anonymous (the heap, where a leak shows), file-backed (LMDB's map,
+which grows with the disk tier until the working set is on disk) and shared (the host pool's memfd,
+bounded by its capacity), open fds, mappings, threads (/proc/PID), and leases, clients, LMDB reader
+slots and tier usage (``tierkv stats``). After the warm-up the slopes are fitted by least squares and
+printed per hour.
+
+    python tools/soak.py                                  # 10 minutes, 16 clients (the target run)
+    python tools/soak.py --duration 90 --clients 8        # a short run
+    python tools/soak.py --socket /run/tierkv.sock        # against a running daemon
+
+Targets: 0 mismatches, RSS slope under 5 MB/h after warm-up, fds and leases flat, leases 0 when idle.
+Writes bench-results/soak.json. Run the full version on a quiet machine: on a shared one the slopes
+carry the neighbours' noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "soak"
+LAYOUT_ARGS = (2, 4, 32, 16, "bfloat16")  # 16 KiB blocks
+PRIVATE_KEYS = 600  # per client: with 16 clients ~160 MB of blocks, 2.5x the host tier, all fit on disk
+SHARED_KEYS = 500  # used by every client (dedup and contention on the same blocks)
+
+
+def key_of(tag: str) -> bytes:
+    return hashlib.blake2b(tag.encode(), digest_size=16).digest()
+
+
+def values(keys: list[bytes], layout) -> np.ndarray:
+    """The oracle: each block's bytes derive from its key."""
+    n = layout.block_bytes // 2
+    out = np.empty((len(keys), n), np.uint16)
+    for i, k in enumerate(keys):
+        out[i] = np.random.default_rng(int.from_bytes(k[:8], "little")).integers(0, 1 << 16, n, np.uint16)
+    return out.reshape(layout.batch_shape(len(keys)))
+
+
+# ---- a client process ------------------------------------------------------------------------------
+def client_main(idx: int, sock: str, ready, stop, seed: int, out: mp.Queue) -> None:
+    import torch
+
+    import tierkv
+    from tierkv.errors import KeyMissing, TierKVError
+
+    layout = tierkv.Layout(*LAYOUT_ARGS)
+    rng = random.Random(seed)
+    mine = [key_of(f"c{idx}/{i}") for i in range(PRIVATE_KEYS)]
+    shared = [key_of(f"shared/{i}") for i in range(SHARED_KEYS)]
+    counts = {"ops": 0, "gets": 0, "blocks_checked": 0, "misses": 0, "mismatches": 0, "errors": 0,
+              "reconnects": 0, "full": 0}
+    lat: list[tuple[float, float]] = []  # (wall time, seconds) of leased gets, for p99 over time
+    error_samples: list[str] = []
+
+    def pick(n: int) -> list[bytes]:
+        pool = shared if rng.random() < 0.3 else mine
+        start = rng.randrange(len(pool) - n)
+        return pool[start:start + n]  # runs of neighbours, like prefixes
+
+    c = tierkv.Client.connect(sock, model=MODEL, layout=layout)
+    ready.release()
+    while not stop.is_set():
+        r = rng.random()
+        n = rng.randint(1, 8)
+        counts["ops"] += 1
+        try:
+            if r < 0.25:
+                keys = pick(n)
+                c.put(keys, values(keys, layout), durable=rng.random() < 0.1)
+            elif r < 0.60:
+                keys = pick(n)
+                t0 = time.perf_counter()
+                with c.acquire(keys) as lease:
+                    got = torch.stack(lease.views).view(torch.int16).numpy().view(np.uint16) if lease.count else None
+                    k = lease.count
+                lat.append((time.time(), time.perf_counter() - t0))
+                counts["gets"] += 1
+                counts["blocks_checked"] += k
+                if k < n:
+                    counts["misses"] += 1
+                if k and not np.array_equal(got, values(keys[:k], layout)):
+                    counts["mismatches"] += 1
+            elif r < 0.70:
+                c.lookup(pick(n))
+            elif r < 0.80:
+                keys = pick(n)
+                with c.acquire(keys) as lease:  # hold it a little while others run
+                    time.sleep(rng.uniform(0, 0.02))
+                    if lease.count:
+                        got = torch.stack(lease.views).view(torch.int16).numpy().view(np.uint16)
+                        counts["blocks_checked"] += lease.count
+                        if not np.array_equal(got, values(keys[:lease.count], layout)):
+                            counts["mismatches"] += 1
+            elif r < 0.86:
+                slots = c.alloc(n)
+                slots.abort()
+            elif r < 0.91:
+                try:
+                    c.get(pick(n))
+                except KeyMissing:
+                    counts["misses"] += 1
+            elif r < 0.97:
+                c.delete(pick(rng.randint(1, 2)) if rng.random() < 0.5 else [rng.choice(mine)])
+            else:
+                c.close()  # sometimes politely, sometimes leaving a lease behind for the daemon to free
+                c = tierkv.Client.connect(sock, model=MODEL, layout=layout)
+                counts["reconnects"] += 1
+                if rng.random() < 0.5:
+                    c.acquire(pick(n))  # never released: freed when the connection goes
+        except TierKVError as exc:
+            if exc.code == "full":
+                counts["full"] += 1
+            else:
+                counts["errors"] += 1
+                if len(error_samples) < 5:
+                    error_samples.append(f"{type(exc).__name__}: {exc}")
+                if exc.code == "connection":
+                    try:
+                        c = tierkv.Client.connect(sock, model=MODEL, layout=layout)
+                    except TierKVError:
+                        time.sleep(0.5)
+    c.close()
+    out.put({"client": idx, **counts, "lat": lat, "error_samples": error_samples})
+
+
+# ---- the daemon and its figures --------------------------------------------------------------------
+# RSS = anonymous (heap: where a leak shows) + file (LMDB's map: page cache of the disk tier, grows with
+# it) + shmem (the host pool's memfd, bounded by its capacity).
+_STATUS = {"VmRSS": "rss_kb", "RssAnon": "anon_kb", "RssFile": "file_kb", "RssShmem": "shmem_kb", "Threads": "threads"}
+
+
+def proc_sample(pid: int) -> dict[str, int]:
+    s = {"fds": len(os.listdir(f"/proc/{pid}/fd")), "maps": sum(1 for _ in open(f"/proc/{pid}/maps"))}
+    for line in open(f"/proc/{pid}/status"):
+        k, _, v = line.partition(":")
+        if k in _STATUS:
+            s[_STATUS[k]] = int(v.split()[0])
+    return s
+
+
+def sample(sock: str, pid: int, t0: float) -> dict:
+    from tierkv.cli import _request
+
+    st = _request(sock, "STATS")
+    disk = st["tiers"].get("disk", {})
+    return {"t": round(time.time() - t0, 2), **proc_sample(pid), "leases": st["leases"],
+            "clients": st["clients"] - 1, "readers": disk.get("readers", 0),
+            "host_used": st["tiers"]["host"]["used_bytes"], "disk_used": disk.get("used_bytes", 0),
+            "disk_blocks": disk.get("blocks", 0), "requests": st["requests"],
+            "shm": sum(1 for n in os.listdir("/dev/shm") if n.startswith("tierkv"))}
+
+
+def slope_per_hour(samples: list[dict], key: str) -> float:
+    t = np.array([s["t"] for s in samples], float)
+    y = np.array([s[key] for s in samples], float)
+    if len(t) < 3 or np.ptp(t) == 0:
+        return 0.0
+    return float(np.polyfit(t, y, 1)[0] * 3600.0)
+
+
+def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
+    from tierkv.cli import _TUNABLES, _request
+    from tierkv.errors import ConnectionFailed
+
+    sockdir = work / "run"
+    sockdir.mkdir(mode=0o700)
+    sock = str(sockdir / "s")
+    cmd = [sys.executable, "-m", "tierkv", "serve", "--socket", sock, "--data-dir", str(work / "data"),
+           "--host-capacity", "64MiB", "--slab-bytes", "4MiB", "--disk-capacity", "1GiB"]
+    logf = open(work / "daemon.log", "ab")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
+                            env=dict(os.environ, GLIBC_TUNABLES=_TUNABLES, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((work / "daemon.log").read_text()[-2000:])
+        try:
+            _request(sock, "PING")
+            return proc, sock
+        except ConnectionFailed:
+            time.sleep(0.05)
+    raise RuntimeError("daemon did not come up")
+
+
+def p99(xs: list[float]) -> float:
+    return float(np.percentile(xs, 99) * 1e3) if xs else 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--warmup", type=float, default=0.25, help="share of the run left out of the slopes")
+    ap.add_argument("--socket", help="use this running daemon instead of starting one")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--json", default=str(REPO / "bench-results" / "soak.json"))
+    args = ap.parse_args()
+
+    from tierkv.cli import _request
+
+    work = Path(tempfile.mkdtemp(prefix="tierkv-soak-"))
+    proc = None
+    try:
+        if args.socket:
+            sock = args.socket
+        else:
+            proc, sock = start_daemon(work)
+        pid = int(_request(sock, "PING")["pid"])
+        ctx = mp.get_context("spawn")
+        q: mp.Queue = ctx.Queue()
+        ready, stop = ctx.Semaphore(0), ctx.Event()
+        clients = [ctx.Process(target=client_main, args=(i, sock, ready, stop, args.seed * 1000 + i, q), daemon=True)
+                   for i in range(args.clients)]
+        for p in clients:
+            p.start()
+        for _ in clients:  # the clock starts once every client is connected (imports take a while)
+            if not ready.acquire(timeout=300):
+                raise RuntimeError("a client did not connect within 300 s")
+        t0 = time.time()
+        stop_at = t0 + args.duration
+        samples = [sample(sock, pid, t0)]
+        print(f"{'t':>7} {'rss MB':>7} {'anon':>6} {'file':>6} {'shmem':>6} {'fds':>4} {'maps':>5} {'thr':>4} "
+              f"{'leases':>6} {'clients':>7} {'readers':>7} {'host MB':>7} {'disk blk':>8}", flush=True)
+
+        def show(s: dict) -> None:
+            print(f"{s['t']:7.1f} {s['rss_kb'] / 1024:7.1f} {s['anon_kb'] / 1024:6.1f} {s['file_kb'] / 1024:6.1f} "
+                  f"{s['shmem_kb'] / 1024:6.1f} {s['fds']:4d} {s['maps']:5d} {s['threads']:4d} {s['leases']:6d} "
+                  f"{s['clients']:7d} {s['readers']:7d} {s['host_used'] / 2**20:7.1f} {s['disk_blocks']:8d}",
+                  flush=True)
+
+        show(samples[0])
+        while time.time() < stop_at:
+            time.sleep(min(args.sample, max(0.0, stop_at - time.time())))
+            samples.append(sample(sock, pid, t0))
+            show(samples[-1])
+        stop.set()
+        results = [q.get(timeout=120) for _ in clients]
+        for p in clients:
+            p.join(30)
+        time.sleep(1.0)  # let the daemon notice the last disconnects
+        idle = sample(sock, pid, t0)
+        show(idle)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(120)
+    steady = [s for s in samples if s["t"] >= args.warmup * args.duration]
+    totals = {k: sum(r[k] for r in results) for k in ("ops", "gets", "blocks_checked", "misses", "mismatches",
+                                                       "errors", "reconnects", "full")}
+    lat = sorted((t - t0, d) for r in results for t, d in r["lat"])
+    window = 0.1 * args.duration
+    first = [d for t, d in lat if args.warmup * args.duration <= t < args.warmup * args.duration + window]
+    last = [d for t, d in lat if t >= args.duration - window]
+    res = {
+        "duration_s": args.duration, "clients": args.clients, "samples": len(samples),
+        "warmup_s": args.warmup * args.duration, **totals,
+        "ops_per_s": round(totals["ops"] / args.duration, 1),
+        "slope_rss_mb_per_h": round(slope_per_hour(steady, "rss_kb") / 1024, 2),
+        "slope_anon_mb_per_h": round(slope_per_hour(steady, "anon_kb") / 1024, 2),
+        "slope_file_mb_per_h": round(slope_per_hour(steady, "file_kb") / 1024, 2),
+        "slope_shmem_mb_per_h": round(slope_per_hour(steady, "shmem_kb") / 1024, 2),
+        "slope_disk_blocks_per_h": round(slope_per_hour(steady, "disk_blocks"), 1),
+        "slope_fds_per_h": round(slope_per_hour(steady, "fds"), 2),
+        "slope_maps_per_h": round(slope_per_hour(steady, "maps"), 2),
+        "slope_threads_per_h": round(slope_per_hour(steady, "threads"), 2),
+        "slope_leases_per_h": round(slope_per_hour(steady, "leases"), 2),
+        "slope_readers_per_h": round(slope_per_hour(steady, "readers"), 2),
+        "fds_range_steady": [min(s["fds"] for s in steady), max(s["fds"] for s in steady)] if steady else [],
+        "readers_max": max(s["readers"] for s in samples), "shm_max": max(s["shm"] for s in samples),
+        "idle": {k: idle[k] for k in ("leases", "clients", "fds", "threads", "readers", "anon_kb", "file_kb", "rss_kb")},
+        "start": {k: samples[0][k] for k in ("fds", "threads", "anon_kb", "file_kb", "rss_kb")},
+        "get_p99_ms_first_window": round(p99(first), 2), "get_p99_ms_last_window": round(p99(last), 2),
+        "error_samples": sorted({e for r in results for e in r["error_samples"]})[:10],
+        "daemon_sigterm_rc": rc if proc is not None else None,
+    }
+    res["pass"] = bool(totals["mismatches"] == 0 and res["slope_rss_mb_per_h"] < 5.0 and idle["leases"] == 0
+                       and res["shm_max"] == 0)
+    print()
+    width = max(len(k) for k in res)
+    for k, v in res.items():
+        print(f"{k:<{width}}  {v}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({**res, "series": samples + [idle]}, indent=2) + "\n")
+    print(f"\nwrote {args.json}")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if res["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
