@@ -21,13 +21,14 @@ from .config import Config
 from .costmodel import Run
 from .errors import BadRequest, TierFull
 from .keys import FINGERPRINT_BYTES, MAX_KEY_BYTES, Namespace
-from .policy import make_policy
+from .policy import History, make_policy, policy_class
 from .stats import TierCounters
 from .tiers.disk import DiskTier, stored_size
 from .tiers.host import HostPool, slot_size_for
 from .transfer import Job, Move, TransferEngine
 
 log = logging.getLogger("tierkv.table")
+HISTORY_ENTRIES = 1 << 16
 
 
 @dataclass(slots=True, eq=False)
@@ -97,8 +98,11 @@ class BlockTable:
         self.ns_blocks: dict[bytes, int] = {}
         self._ns_sessions: dict[bytes, int] = {}  # connections bound to each namespace
         self.host = HostPool(cfg.host.capacity, cfg.host.slab_bytes, cfg.host.prefault)
-        self.host_policy = make_policy(cfg.host.policy, **cfg.policy_settings(cfg.host.policy))
-        self.disk_policy = make_policy(cfg.disk.policy, **cfg.policy_settings(cfg.disk.policy))
+        # One use history for both tiers (heat survives demotion), bounded so that a stream of
+        # one-shot keys cannot grow the daemon's memory (~150 B a record).
+        self.history = History(max_entries=HISTORY_ENTRIES)
+        self.host_policy = self._make_policy(cfg.host.policy, cfg)
+        self.disk_policy = self._make_policy(cfg.disk.policy, cfg)
         self.host_limit = self.host.capacity  # effective capacity: `tune host.capacity` can lower it
         self.pinned_bytes = 0
         self.admitted = 0
@@ -884,9 +888,9 @@ class BlockTable:
             raise ValueError("disk.capacity cannot grow past the size the daemon started with")
         host_policy = disk_policy = None
         if changed & {"host.policy"} or any(c.startswith("policy.") for c in changed):
-            host_policy = make_policy(new.host.policy, **new.policy_settings(new.host.policy))
+            host_policy = self._make_policy(new.host.policy, new)
         if changed & {"disk.policy"} or any(c.startswith("policy.") for c in changed):
-            disk_policy = make_policy(new.disk.policy, **new.policy_settings(new.disk.policy))
+            disk_policy = self._make_policy(new.disk.policy, new)
         with self.lock:
             if host_policy is not None:
                 if host_policy.name == self.host_policy.name:
@@ -993,6 +997,15 @@ class BlockTable:
         if self.disk is not None:
             self.disk.close()
         self.host.close()
+
+    def _make_policy(self, name: str, cfg: Config):
+        """A tier's policy with the configured weights, sharing the table's history where it keeps one."""
+        import inspect
+
+        kwargs = cfg.policy_settings(name)
+        if "history" in inspect.signature(policy_class(name)).parameters:
+            kwargs["history"] = self.history
+        return make_policy(name, **kwargs)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _ns(self, s: Session) -> Namespace:
