@@ -227,32 +227,18 @@ class TransferEngine:
     # ---- remote: host <-> remote ---------------------------------------------------------------------
     def load_remote(self, remote: Any, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
         """Fetch, verify and decode ``moves`` from the remote tier into their host slots (one batch)."""
-        job = Job(next(self._ids), ("remote", "host"), moves, on_done=on_done)
-        with self._lock:
-            self.inflight += 1
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                with self.budgets.transfer("host<->remote", sum(m.view.nbytes for m in moves)):
-                    oks = remote.fetch_verified([(m.fingerprint, m.key) for m in moves], moves[0].layout,
-                                                [m.view for m in moves])
-                for m, ok in zip(moves, oks):
-                    m.ok = bool(ok)
-            except Exception as exc:  # the tier reports misses itself; anything else is still a miss
-                log.warning("remote load failed: %s", exc)
-            job.seconds = time.perf_counter() - t0
-            got = sum(m.view.nbytes for m in moves if m.ok)
-            if got:
-                self.cost.observe("remote", got, job.seconds)
-            self._finish(job)
-
-        self._decode.submit(run)
-        return job
+        return self._remote_job(("remote", "host"), moves, on_done, self._decode, lambda: remote.fetch_verified(
+            [(m.fingerprint, m.key) for m in moves], moves[0].layout, [m.view for m in moves]))
 
     def store_remote(self, remote: Any, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
         """Write ``moves`` through to the remote tier (encoded there); the slots stay pinned until done."""
-        job = Job(next(self._ids), ("host", "remote"), moves, on_done=on_done)
+        return self._remote_job(("host", "remote"), moves, on_done, self._remote_writer, lambda: remote.store_blocks(
+            [(m.fingerprint, m.key, m.view) for m in moves], moves[0].layout))
+
+    def _remote_job(self, route: tuple[str, str], moves: list[Move], on_done: Callable[[Job], None] | None,
+                    pool: ThreadPoolExecutor, call: Callable[[], list[bool]]) -> Job:
+        """Run one remote batch on ``pool``; the tier never raises for remote failures (they are misses)."""
+        job = Job(next(self._ids), route, moves, on_done=on_done)
         with self._lock:
             self.inflight += 1
 
@@ -260,15 +246,18 @@ class TransferEngine:
             t0 = time.perf_counter()
             try:
                 with self.budgets.transfer("host<->remote", sum(m.view.nbytes for m in moves)):
-                    oks = remote.store_blocks([(m.fingerprint, m.key, m.view) for m in moves], moves[0].layout)
+                    oks = call()
                 for m, ok in zip(moves, oks):
                     m.ok = bool(ok)
-            except Exception as exc:
-                log.warning("remote store failed: %s", exc)
+            except Exception as exc:  # anything unexpected is still only a miss or a dropped write
+                log.warning("remote %s->%s failed: %s", *route, exc)
             job.seconds = time.perf_counter() - t0
+            got = sum(m.view.nbytes for m in moves if m.ok)
+            if got and route[0] == "remote":
+                self.cost.observe("remote", got, job.seconds)
             self._finish(job)
 
-        self._remote_writer.submit(run)
+        pool.submit(run)
         return job
 
     # ---- lifecycle --------------------------------------------------------------------------------
