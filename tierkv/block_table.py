@@ -675,10 +675,15 @@ class BlockTable:
                 raise TierFull("host tier is full: every block is leased or being written")
             self.changed.wait(0.05)
 
+    @staticmethod
+    def _worth_writing(b: Block, mode: str) -> bool:
+        """The admission rule of a colder tier: every block, blocks used twice / shared / pinned, or
+        pinned only."""
+        return mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
+
     def _admit(self, b: Block) -> bool:
-        """Whether a host victim is worth a disk write (durable puts and the flush skip this)."""
-        mode = self.cfg.disk.admission
-        ok = mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
+        """Whether a host victim is worth a disk write (durable puts and the flush skip this); counted."""
+        ok = self._worth_writing(b, self.cfg.disk.admission)
         if ok:
             self.admitted += 1
         else:
@@ -687,11 +692,7 @@ class BlockTable:
 
     def _host_protected_clean(self, fk: bytes) -> bool:
         b = self.blocks[fk]
-        return b.protected or (not b.on_disk and self.disk is not None and self._would_admit(b))
-
-    def _would_admit(self, b: Block) -> bool:
-        mode = self.cfg.disk.admission
-        return mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
+        return b.protected or (not b.on_disk and self.disk is not None and self._worth_writing(b, self.cfg.disk.admission))
 
     def _host_protected(self, fk: bytes) -> bool:
         return self.blocks[fk].protected
@@ -725,9 +726,8 @@ class BlockTable:
         Lock held."""
         if self.remote is None:
             return
-        mode = self.cfg.remote.admission
         todo = [b for b in blocks if not b.on_remote and b.host_off is not None and b.loading is None
-                and (mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 1)))]
+                and self._worth_writing(b, self.cfg.remote.admission)]
         if not todo:
             return
         for b in todo:

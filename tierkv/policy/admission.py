@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from tierkv.policy.base import Setting
+from tierkv.policy.base import Setting, checked_settings
 from tierkv.policy.history import History
 
 
@@ -58,10 +58,4 @@ class Admission:
 
     def update(self, **settings: Any) -> None:
         """Change settings; a bad key or value raises ``ValueError`` and changes nothing."""
-        new = dict(self._settings)
-        for key, value in settings.items():
-            spec = self.SETTINGS.get(key)
-            if spec is None:
-                raise ValueError(f"admission has no setting {key!r} (settings: {', '.join(self.SETTINGS)})")
-            new[key] = spec.coerce(key, value)
-        self._settings = new
+        self._settings = checked_settings(self.SETTINGS, self._settings, settings, "admission")

@@ -23,7 +23,7 @@ import itertools
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,6 +85,36 @@ class Setting:
         return value
 
 
+def checked_settings(specs: dict[str, Setting], current: dict[str, Any], updates: dict[str, Any],
+                     owner: str) -> dict[str, Any]:
+    """``current`` with ``updates`` coerced by ``specs``; an unknown key or bad value raises ``ValueError``."""
+    new = dict(current)
+    for key, value in updates.items():
+        spec = specs.get(key)
+        if spec is None:
+            known = ", ".join(sorted(specs)) or "none"
+            raise ValueError(f"{owner} has no setting {key!r} (settings: {known})")
+        new[key] = spec.coerce(key, value)
+    return new
+
+
+def walk_victims(segments: Iterable[Iterable[tuple[Hashable, int]]], nbytes: int,
+                 protected: Protected) -> list[Hashable] | None:
+    """Take unprotected (key, size) pairs in order until ``nbytes`` are covered; None if they never are."""
+    if nbytes <= 0:
+        return []
+    out, got = [], 0
+    for segment in segments:
+        for key, size in segment:
+            if protected(key):
+                continue
+            out.append(key)
+            got += size
+            if got >= nbytes:
+                return out
+    return None
+
+
 class Policy(ABC):
     """Chooses which blocks leave one tier. See the module docstring for the contract."""
 
@@ -142,14 +172,7 @@ class Policy(ABC):
 
     def update(self, **settings: Any) -> None:
         """Change settings at run time; a bad key or value raises ``ValueError`` and changes nothing."""
-        new = dict(self._settings)
-        for key, value in settings.items():
-            spec = self.SETTINGS.get(key)
-            if spec is None:
-                known = ", ".join(sorted(self.SETTINGS)) or "none"
-                raise ValueError(f"policy {self.name!r} has no setting {key!r} (settings: {known})")
-            new[key] = spec.coerce(key, value)
-        self._settings = new
+        self._settings = checked_settings(self.SETTINGS, self._settings, settings, f"policy {self.name!r}")
         self._settings_changed()
 
     def _settings_changed(self) -> None:  # noqa: B027 - optional hook

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from tierkv.policy.base import Policy, Protected, never, register
+from tierkv.policy.base import Policy, Protected, never, register, walk_victims
 
 
 @register
@@ -33,17 +33,7 @@ class LRUPolicy(Policy):
         self._order.pop(key, None)
 
     def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
-        if nbytes <= 0:
-            return []
-        out, got = [], 0
-        for key, size in self._order.items():
-            if protected(key):
-                continue
-            out.append(key)
-            got += size
-            if got >= nbytes:
-                return out
-        return None
+        return walk_victims([self._order.items()], nbytes, protected)
 
     def __len__(self) -> int:
         return len(self._order)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from tierkv.policy.base import Policy, Protected, Setting, never, register
+from tierkv.policy.base import Policy, Protected, Setting, never, register, walk_victims
 
 
 @register
@@ -71,18 +71,7 @@ class SLRUPolicy(Policy):
         self._bytes -= size
 
     def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
-        if nbytes <= 0:
-            return []
-        out, got = [], 0
-        for segment in (self._prob, self._prot):
-            for key, size in segment.items():
-                if protected(key):
-                    continue
-                out.append(key)
-                got += size
-                if got >= nbytes:
-                    return out
-        return None
+        return walk_victims([self._prob.items(), self._prot.items()], nbytes, protected)
 
     def _settings_changed(self) -> None:
         if hasattr(self, "_prot"):
