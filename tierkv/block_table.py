@@ -2,8 +2,10 @@
 engine moves bytes.
 
 Blocks are immutable and content-addressed by ``fingerprint + key`` (the LMDB key too). A block may be
-in the host tier (a slot in the shared pool), on disk, or both. Leases pin a block's host slot for a
-client connection; a leased, loading or writing block is never evicted. All state changes happen under
+in the GPU tier (a slot in the device pool), the host tier (a slot in the shared pool), on disk, or in
+several. Leases pin a block's slot in one tier (host or GPU) for a client connection; a leased, loading
+or writing block is never evicted. A block committed into the GPU tier is "draining" until its copy
+reaches host memory; from there it follows the host tier's write-back. All state changes happen under
 one lock; waits on transfers happen outside it.
 """
 
@@ -23,6 +25,7 @@ from .errors import BadRequest, TierFull
 from .keys import FINGERPRINT_BYTES, MAX_KEY_BYTES, Namespace
 from .policy import History, make_policy, policy_class
 from .stats import TierCounters
+from .streams import Copy
 from .tiers.disk import DiskTier, stored_size
 from .tiers.host import HostPool, slot_size_for
 from .transfer import Job, Move, TransferEngine
@@ -48,10 +51,25 @@ class Block:
     hits: int = 0
     pin: int = 0                   # retention priority of a pinned prefix (0 = not pinned)
     mass: float = 1.0              # last attention mass a client reported (1.0 = uniform)
+    gpu_off: int | None = None     # slot offset in the GPU tier's device pool
+    gpu_leases: int = 0
+    gpu_loading: threading.Event | None = None  # set when a host -> gpu copy finishes
+    draining: bool = False         # committed on the GPU, its host copy not made yet (the only copy)
 
     @property
     def protected(self) -> bool:
+        """The host slot must stay (read by a client or a transfer, or pinned)."""
         return self.leases > 0 or self.writing or self.loading is not None or self.pin > 0
+
+    @property
+    def gpu_protected(self) -> bool:
+        """The GPU slot must stay (read by a client, being filled, or the only copy)."""
+        return self.gpu_leases > 0 or self.gpu_loading is not None or self.draining
+
+    @property
+    def busy(self) -> bool:
+        """Any tier's copy is in use: a delete must skip the block."""
+        return self.protected or self.gpu_protected
 
 
 @dataclass
@@ -60,6 +78,7 @@ class Lease:
 
     id: int
     blocks: list[Block]
+    tier: str = "host"             # which slot the lease pins: "host" or "gpu"
 
 
 @dataclass
@@ -71,8 +90,10 @@ class Session:
     ns: Namespace | None = None
     fp: bytes = b""
     slots: dict[int, int] = field(default_factory=dict)   # offset -> slot size, allocated but not committed
+    gpu_slots: dict[int, int] = field(default_factory=dict)  # the same for the GPU tier
     leases: dict[int, Lease] = field(default_factory=dict)
-    tickets: dict[int, tuple[list[Block], list[str]]] = field(default_factory=dict)  # fetches not yet waited
+    # fetches not yet waited: blocks, their source tiers, and the tier they are leased in
+    tickets: dict[int, tuple[list[Block], list[str], str]] = field(default_factory=dict)
 
 
 def validate_keys(keys: object, limit: int = 1 << 16) -> list[bytes]:
@@ -125,7 +146,21 @@ class BlockTable:
             self.disk.fault = disk_fault_from_env()
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
-                                     budgets={"host<->disk": cfg.budget.host_disk or None})
+                                     budgets={"host<->disk": cfg.budget.host_disk or None,
+                                              "gpu<->host": cfg.budget.gpu_host or None})
+        self.gpu = None
+        self.gpu_stats = TierCounters()
+        self.gpu_policy = make_policy("lru")  # device slots are few and clean once drained: plain recency
+        self._undrained: list[Block] = []     # GPU commits waiting for a host slot to drain into
+        if cfg.gpu.capacity:
+            from .tiers.gpu import DevicePool
+
+            self.gpu = DevicePool(cfg.gpu.capacity, min(cfg.gpu.slab_bytes, cfg.gpu.capacity), cfg.gpu.device)
+            try:
+                self.engine.attach_device(self.gpu, self.host)
+            except Exception:
+                self.gpu.close()
+                raise
         self.remote = None
         self.remote_stats = TierCounters()
         self._remote_info: tuple[float, dict | None] = (0.0, None)
@@ -185,16 +220,18 @@ class BlockTable:
         with self.lock:
             for lease in session.leases.values():
                 for b in lease.blocks:
-                    b.leases -= 1
-                    assert b.leases >= 0
+                    self._unlease(b, lease.tier)
             session.leases.clear()
-            for leased, _tiers in session.tickets.values():
+            for leased, _tiers, tier in session.tickets.values():
                 for b in leased:
-                    b.leases -= 1
+                    self._unlease(b, tier)
             session.tickets.clear()
             for off in session.slots:
                 self.host.free(off)
             session.slots.clear()
+            for off in session.gpu_slots:
+                self.gpu.free(off)  # type: ignore[union-attr]
+            session.gpu_slots.clear()
             if session.ns is not None:
                 fp = session.fp
                 self._ns_sessions[fp] -= 1
@@ -207,11 +244,15 @@ class BlockTable:
             self.changed.notify_all()
 
     # ---- store path -------------------------------------------------------------------------------
-    def alloc(self, s: Session, n: int, keys: list[bytes] | None = None) -> list[int | None]:
-        """Host slots for ``n`` new blocks (None where ``keys[i]`` is already cached: nothing to write)."""
+    def alloc(self, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host") -> list[int | None]:
+        """Slots of ``tier`` for ``n`` new blocks (None where ``keys[i]`` is already cached: nothing to write)."""
         ns = self._ns(s)
         if not isinstance(n, int) or n < 0:
             raise BadRequest("n must be a non-negative int")
+        if keys is not None and len(keys) != n:
+            raise BadRequest("keys and n disagree")
+        if self._tier(tier) == "gpu":
+            return self._alloc_gpu(s, ns, n, keys)
         slot = slot_size_for(ns.layout.block_bytes)
         if n * slot > self.host_limit:
             raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({self.host_limit} bytes)")
@@ -235,13 +276,16 @@ class BlockTable:
                 raise
         return out
 
-    def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False) -> int:
+    def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
+               tier: str = "host") -> int:
         """Publish written slots under ``keys``; returns how many were new (the rest deduplicated)."""
         ns = self._ns(s)
         if len(keys) != len(offsets):
             raise BadRequest("keys and slots differ in length")
         if durable and self.disk is None:
             raise BadRequest("durable=True needs the disk tier, which is disabled")
+        if self._tier(tier) == "gpu":
+            return self._commit_gpu(s, ns, keys, offsets, durable)
         fks = [s.fp + k for k in keys]
         new: list[Block] = []
         durable_blocks: list[Block] = []
@@ -282,14 +326,188 @@ class BlockTable:
         self._kick_evictor()
         return len(new)
 
-    def abort(self, s: Session, offsets: list[int]) -> None:
+    def abort(self, s: Session, offsets: list[int], tier: str = "host") -> None:
         """Give back allocated slots without committing them."""
+        gpu = self._tier(tier) == "gpu"
+        pool, mine = (self.gpu, s.gpu_slots) if gpu else (self.host, s.slots)
         with self.lock:
             for off in offsets:
-                if off in s.slots:
-                    del s.slots[off]
-                    self.host.free(off)
+                if off in mine:
+                    del mine[off]
+                    pool.free(off)  # type: ignore[union-attr]
             self.changed.notify_all()
+
+    # ---- GPU tier: store path -----------------------------------------------------------------------
+    def _alloc_gpu(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None) -> list[int | None]:
+        assert self.gpu is not None
+        slot = slot_size_for(ns.layout.block_bytes)
+        if slot > self.gpu.slab_bytes:
+            raise BadRequest(f"a block of {ns.layout.block_bytes} bytes exceeds the GPU slab size "
+                             f"({self.gpu.slab_bytes}); raise gpu.slab_bytes")
+        if n * slot > self.gpu.capacity:
+            raise BadRequest(f"{n} blocks of {slot} bytes exceed the GPU tier ({self.gpu.capacity} bytes)")
+        out: list[int | None] = []
+        with self.lock:
+            try:
+                for i in range(n):
+                    if keys is not None and (s.fp + keys[i]) in self.blocks:
+                        out.append(None)
+                        continue
+                    off = self._alloc_gpu_slot(slot)
+                    s.gpu_slots[off] = slot
+                    out.append(off)
+            except TierFull:
+                for off in out:
+                    if off is not None:
+                        s.gpu_slots.pop(off, None)
+                        self.gpu.free(off)
+                raise
+        return out
+
+    def _commit_gpu(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool) -> int:
+        """Publish GPU slots; their copies to host memory (then disk) go on in the background."""
+        assert self.gpu is not None
+        fks = [s.fp + k for k in keys]
+        new: list[Block] = []
+        durable_blocks: list[Block] = []
+        with self.lock:
+            for off in offsets:
+                if not isinstance(off, int) or off not in s.gpu_slots:
+                    raise BadRequest(f"GPU slot {off!r} was not allocated by this connection")
+            if len(set(offsets)) != len(offsets):
+                raise BadRequest("a slot appears twice")
+            for fk, off in zip(fks, offsets):
+                del s.gpu_slots[off]
+                b = self.blocks.get(fk)
+                if b is None:
+                    b = Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True)
+                    self.blocks[fk] = b
+                    self.ns_blocks[s.fp] = self.ns_blocks.get(s.fp, 0) + 1
+                    self.gpu_policy.on_insert(fk, self.gpu.slot_size_at(off), None)
+                    self.gpu_stats.bytes_in += b.nbytes
+                    new.append(b)
+                elif b.gpu_off is None and b.gpu_loading is None:
+                    b.gpu_off = off  # cached in a colder tier: keep the fresh device copy hot
+                    self.gpu_policy.on_insert(fk, self.gpu.slot_size_at(off), None)
+                else:
+                    self.gpu.free(off)  # deduplicated
+                    self._touch(b)
+                if durable and not b.on_disk:
+                    durable_blocks.append(b)
+            self._drain(new)
+            self.changed.notify_all()
+        if durable_blocks:
+            self._make_durable(durable_blocks)
+        return len(new)
+
+    def _make_durable(self, blocks: list[Block]) -> None:
+        """Wait for GPU commits to reach host memory, then write them to disk and wait for the sync."""
+        deadline = time.monotonic() + max(30.0, self.cfg.server.drain_timeout_s)
+        with self.lock:
+            while any(b.draining for b in blocks):
+                if self._closing or time.monotonic() > deadline:
+                    raise TierFull("durable write failed: blocks did not reach host memory in time")
+                self.changed.wait(0.05)
+            todo = [b for b in blocks if not b.on_disk and b.host_off is not None and b.loading is None]
+            job = self._store(todo) if todo else None
+        if job is not None:
+            job.wait()
+            if job.error is not None or not all(m.ok for m in job.moves):
+                raise job.error or TierFull("durable write failed")
+
+    def _drain(self, blocks: list[Block]) -> None:
+        """Copy GPU commits into host slots (the store queue; never waits for room). Lock held."""
+        started: list[Block] = []
+        for i, b in enumerate(blocks):
+            if b.fk not in self.blocks or b.gpu_off is None or not b.draining:
+                continue  # deleted meanwhile
+            try:
+                b.host_off = self._alloc_slot(slot_size_for(b.nbytes), wait=False)
+            except TierFull:
+                # host memory is full of blocks still being written back: retry when the evictor frees some
+                self._undrained.extend(x for x in blocks[i:] if x.draining)
+                self._kick_evictor(force=True)
+                break
+            started.append(b)
+        self._copy_to_host(started)
+
+    def _copy_to_host(self, blocks: list[Block]) -> None:
+        """GPU slot -> the host slot already assigned to each block, on the store queue. Lock held."""
+        if not blocks:
+            return
+        assert self.gpu is not None
+        copies: list[Copy] = []
+        for b in blocks:
+            b.loading = threading.Event()
+            b.load_failed = False
+            b.gpu_leases += 1  # the GPU slot is the copy's source
+            copies.append(Copy(self.gpu.view(b.gpu_off, b.nbytes), _host_tensor(self.host.view(b.host_off, b.nbytes))))
+
+        def done(cs: list[Copy]) -> None:
+            with self.lock:
+                for b, c in zip(blocks, cs):
+                    ev, b.loading = b.loading, None
+                    b.gpu_leases -= 1
+                    if c.ok:
+                        b.draining = False
+                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), None)  # type: ignore
+                        self.host_stats.bytes_in += b.nbytes
+                        self.gpu_stats.demotions += 1
+                    else:
+                        b.load_failed = True
+                        self.host.free(b.host_off)  # type: ignore[arg-type]
+                        b.host_off = None
+                        self.gpu_stats.errors += 1
+                        if b.draining:
+                            self._undrained.append(b)  # the GPU copy is the only one: try again later
+                    if ev is not None:
+                        ev.set()
+                self._write_through([b for b in blocks if b.host_off is not None])
+                self.changed.notify_all()
+            self._kick_evictor()
+
+        self.engine.to_host(copies, done)
+
+    def _retry_drains(self) -> None:
+        with self.lock:
+            pending, self._undrained = self._undrained, []
+            self._drain(pending)
+
+    def _alloc_gpu_slot(self, slot: int, wait: bool = True) -> int:
+        """A GPU slot, dropping clean device copies (or, with ``wait``, waiting for drains). Lock held."""
+        assert self.gpu is not None
+        deadline = None
+        while True:
+            off = self.gpu.alloc(slot)
+            if off is not None:
+                return off
+            victims = self.gpu_policy.victims(slot, self._gpu_protected)
+            if victims:
+                for fk in victims:
+                    self._drop_gpu(self.blocks[fk])
+                continue
+            if not wait or self._closing:
+                raise TierFull("GPU tier has no evictable block right now")
+            if deadline is None:
+                deadline = time.monotonic() + 30.0
+            if time.monotonic() > deadline or not any(b.draining for b in self._gpu_blocks()):
+                raise TierFull("GPU tier is full: every block is leased or being filled")
+            self.changed.wait(0.05)
+
+    def _gpu_blocks(self) -> Iterable[Block]:
+        return (b for b in self.blocks.values() if b.gpu_off is not None)
+
+    def _gpu_protected(self, fk: bytes) -> bool:
+        return self.blocks[fk].gpu_protected
+
+    def _drop_gpu(self, b: Block) -> None:
+        """Free a block's GPU slot; it stays in the colder tiers that hold it. Lock held."""
+        self.gpu_policy.on_remove(b.fk)
+        self.gpu.free(b.gpu_off)  # type: ignore[union-attr]
+        b.gpu_off = None
+        self.gpu_stats.evictions += 1
+        if b.host_off is None and not b.on_disk:
+            self._forget(b)
 
     # ---- load path --------------------------------------------------------------------------------
     def lookup(self, s: Session, keys: list[bytes]) -> list[str]:
@@ -301,24 +519,31 @@ class BlockTable:
                 b = self.blocks.get(s.fp + k)
                 if b is None:
                     break
-                out.append("host" if b.host_off is not None else "disk")
+                out.append(_tier_of(b))
         if self.remote is not None and len(out) < len(keys):
             # Only the part of the prefix no local tier holds, in one round trip (outside the lock).
             out += ["remote"] * self.remote.prefix_len(s.fp, keys[len(out):])
         return out
 
-    def acquire(self, s: Session, keys: list[bytes]) -> tuple[int, list[int], list[str]]:
-        """Lease the longest cached prefix in host memory, promoting from disk as needed.
+    def acquire(self, s: Session, keys: list[bytes], tier: str = "host") -> tuple[int, list[int], list[str]]:
+        """Lease the longest cached prefix in host memory (or GPU memory), promoting as needed.
 
         Returns:
             (lease id, slot offsets of the leased prefix, tier each block came from).
         """
-        return self.wait(s, self.fetch(s, keys), None)
+        return self.wait(s, self.fetch(s, keys, tier), None)
 
-    def fetch(self, s: Session, keys: list[bytes]) -> int:
+    def fetch(self, s: Session, keys: list[bytes], tier: str = "host") -> int:
         """Start leasing the cached prefix of ``keys``: host blocks at once, disk blocks as their loads
-        finish. Returns a ticket for :meth:`wait`; never blocks on the disk."""
+        finish. Returns a ticket for :meth:`wait`; never blocks on the disk. With ``tier="gpu"`` the
+        lease is on GPU slots, promoted from host or disk in the background."""
         ns = self._ns(s)
+        if self._tier(tier) == "gpu":
+            leased, tiers = self._promote_gpu(s, ns, keys, lease=True)
+            with self.lock:
+                self._lease_ids += 1
+                s.tickets[self._lease_ids] = (leased, tiers, "gpu")
+                return self._lease_ids
         slot = slot_size_for(ns.layout.block_bytes)
         leased: list[Block] = []
         tiers: list[str] = []
@@ -342,6 +567,14 @@ class BlockTable:
                     loads.append(b)
                     tiers.append("disk")
                     self.host_stats.misses += 1
+                elif b.gpu_off is not None and b.gpu_loading is None and not b.draining:
+                    try:  # only on the GPU (its host copy was dropped unwritten): copy it back down
+                        b.host_off = self._alloc_slot(slot)
+                    except TierFull:
+                        break
+                    self._copy_to_host([b])
+                    tiers.append("gpu")
+                    self.host_stats.misses += 1
                 else:
                     break
                 b.leases += 1
@@ -354,7 +587,7 @@ class BlockTable:
             self._fetch_remote(s, ns, keys[len(leased):], slot, leased, tiers)
         with self.lock:
             self._lease_ids += 1
-            s.tickets[self._lease_ids] = (leased, tiers)
+            s.tickets[self._lease_ids] = (leased, tiers, "host")
             return self._lease_ids
 
     def _fetch_remote(self, s: Session, ns: Namespace, keys: list[bytes], slot: int, leased: list[Block],
@@ -415,30 +648,35 @@ class BlockTable:
         with self.lock:
             if ticket not in s.tickets:
                 raise BadRequest(f"ticket {ticket!r} is not pending on this connection")
-            leased, tiers = s.tickets.pop(ticket)
+            leased, tiers, tier = s.tickets.pop(ticket)
+        gpu = tier == "gpu"
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         cut = len(leased)
         for i, b in enumerate(leased):
-            ev = b.loading
+            ev = b.gpu_loading if gpu else b.loading
             if ev is not None and not ev.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 cut = i
                 break
-            if b.load_failed or b.host_off is None:
+            if (b.gpu_off is None or b.gpu_loading is not None) if gpu else (b.load_failed or b.host_off is None):
                 cut = i
                 break
         with self.lock:
             for b in leased[cut:]:
-                b.leases -= 1
+                self._unlease(b, tier)
             leased = leased[:cut]
-            lease = Lease(ticket, leased)
+            lease = Lease(ticket, leased, tier)
             s.leases[lease.id] = lease
             self.changed.notify_all()
-            return lease.id, [b.host_off for b in leased], tiers[:cut]  # type: ignore[misc]
+            offs = [b.gpu_off if gpu else b.host_off for b in leased]
+            return lease.id, offs, tiers[:cut]  # type: ignore[return-value]
 
-    def prefetch(self, s: Session, keys: list[bytes]) -> int:
-        """Promote the disk-only blocks of the cached prefix into host memory in the background
-        (queued requests announced by the engine); returns how many loads started. Never blocks."""
+    def prefetch(self, s: Session, keys: list[bytes], tier: str = "host") -> int:
+        """Promote the disk-only blocks of the cached prefix into host memory (or, with ``tier="gpu"``,
+        every block not yet on the GPU into GPU memory) in the background (queued requests announced by
+        the engine); returns how many loads started. Never blocks."""
         ns = self._ns(s)
+        if self._tier(tier) == "gpu":
+            return len(self._promote_gpu(s, ns, keys, lease=False)[0])
         slot = slot_size_for(ns.layout.block_bytes)
         loads: list[Block] = []
         with self.lock:
@@ -469,9 +707,9 @@ class BlockTable:
                 b = self.blocks.get(s.fp + k)
                 if b is None:
                     break
-                in_host = b.host_off is not None
-                tiers.append("host" if in_host else "disk")
-                ready.append(in_host and b.loading is None)
+                tiers.append(_tier_of(b))
+                ready.append((b.host_off is not None and b.loading is None)
+                             or (b.gpu_off is not None and b.gpu_loading is None))
         runs = []
         for tier, group in itertools.groupby(("host" if r else "disk" for r in ready)):
             n = len(list(group))
@@ -510,8 +748,12 @@ class BlockTable:
         with self.lock:
             for k in keys:
                 b = self.blocks.get(s.fp + k)
-                if b is None or b.protected:
+                if b is None or b.busy:
                     continue
+                if b.gpu_off is not None:
+                    self.gpu_policy.on_remove(b.fk)
+                    self.gpu.free(b.gpu_off)  # type: ignore[union-attr]
+                    b.gpu_off = None
                 if b.host_off is not None:
                     self.host_policy.on_remove(b.fk)
                     self.host.free(b.host_off)
@@ -534,10 +776,98 @@ class BlockTable:
                 if lid not in s.leases:
                     raise BadRequest(f"lease {lid!r} is not held by this connection")
             for lid in ids:
-                for b in s.leases.pop(lid).blocks:
-                    b.leases -= 1
-                    assert b.leases >= 0
+                lease = s.leases.pop(lid)
+                for b in lease.blocks:
+                    self._unlease(b, lease.tier)
             self.changed.notify_all()
+
+    def _unlease(self, b: Block, tier: str) -> None:
+        if tier == "gpu":
+            b.gpu_leases -= 1
+            assert b.gpu_leases >= 0
+        else:
+            b.leases -= 1
+            assert b.leases >= 0
+
+    # ---- GPU tier: load path ------------------------------------------------------------------------
+    def _promote_gpu(self, s: Session, ns: Namespace, keys: list[bytes],
+                     lease: bool) -> tuple[list[Block], list[str]]:
+        """Bring the cached prefix of ``keys`` into GPU slots: blocks already there at once, host blocks by
+        a host -> gpu copy on the load queue, disk blocks by a disk load chained to that copy. With
+        ``lease`` every block of the prefix is leased on the GPU (the caller's ticket); without, only
+        copies start (prefetch). Never waits for a transfer."""
+        if self.gpu is None:
+            raise BadRequest("the GPU tier is off (start the daemon with --gpu-capacity)")
+        slot = slot_size_for(ns.layout.block_bytes)
+        leased: list[Block] = []
+        tiers: list[str] = []
+        loads: list[Block] = []
+        moving: list[Block] = []
+        copies: list[Copy] = []
+        with self.lock:
+            for k in keys:
+                b = self.blocks.get(s.fp + k)
+                if b is None:
+                    self.gpu_stats.misses += 1
+                    break
+                if b.gpu_off is not None:
+                    self.gpu_stats.hits += 1
+                    self.gpu_policy.on_access(b.fk)
+                    b.hits += 1
+                    if lease:
+                        b.gpu_leases += 1
+                        leased.append(b)
+                        tiers.append("gpu")
+                    continue
+                source = "host"
+                if b.host_off is None:
+                    if not b.on_disk:
+                        break
+                    try:
+                        off = self._alloc_slot(slot, wait=False)
+                    except TierFull:
+                        break
+                    b.host_off, b.loading, b.load_failed = off, threading.Event(), False
+                    loads.append(b)
+                    source = "disk"
+                elif b.loading is not None:
+                    source = "disk"  # already coming from disk (or draining): the copy waits for it
+                try:
+                    goff = self._alloc_gpu_slot(slot, wait=False)
+                except TierFull:
+                    break  # no room on the GPU: the prefix so far is what the client gets
+                self.gpu_stats.misses += 1
+                self._touch(b)
+                b.gpu_off, b.gpu_loading = goff, threading.Event()
+                b.leases += 1  # the host slot is the copy's source: keep it until the copy is done
+                moving.append(b)
+                copies.append(Copy(_host_tensor(self.host.view(b.host_off, b.nbytes)), self.gpu.view(goff, b.nbytes),
+                                   ready=_ready(b, b.loading)))
+                if lease:
+                    b.gpu_leases += 1
+                    leased.append(b)
+                    tiers.append(source)
+            if loads:
+                self._load(ns, loads)
+        if copies:
+            def done(cs: list[Copy]) -> None:
+                with self.lock:
+                    for b, c in zip(moving, cs):
+                        ev, b.gpu_loading = b.gpu_loading, None
+                        b.leases -= 1
+                        if c.ok:
+                            self.gpu_policy.on_insert(b.fk, self.gpu.slot_size_at(b.gpu_off), None)  # type: ignore
+                            self.gpu_stats.promotions += 1
+                            self.gpu_stats.bytes_in += b.nbytes
+                        else:  # its source never arrived (a bad disk value): a miss, never served
+                            self.gpu.free(b.gpu_off)  # type: ignore[union-attr]
+                            b.gpu_off = None
+                        if ev is not None:
+                            ev.set()
+                    self.changed.notify_all()
+
+            self.engine.to_device(copies, done)
+        return (leased if lease else moving), tiers
 
     def _load(self, ns: Namespace, blocks: list[Block]) -> Job:
         moves = [Move(b.fk, self.host.view(b.host_off, b.nbytes), ns.layout, b.fk[:FINGERPRINT_BYTES],
@@ -641,7 +971,7 @@ class BlockTable:
                 self._disk_removed(b)
                 self.disk_stats.evictions += 1
                 keys.append(fk)
-                if b.host_off is None:
+                if b.host_off is None and b.gpu_off is None:
                     self._forget(b)
             return keys
 
@@ -708,7 +1038,7 @@ class BlockTable:
         self.host_stats.evictions += 1
         if b.on_disk:
             self.host_stats.demotions += 1
-        else:
+        elif b.gpu_off is None:
             self._forget(b)
         self.changed.notify_all()
 
@@ -766,6 +1096,8 @@ class BlockTable:
             self._kick.clear()
             try:
                 self._demote_once()
+                if self._undrained:
+                    self._retry_drains()
             except Exception:
                 log.exception("evictor")
 
@@ -915,6 +1247,7 @@ class BlockTable:
             self.engine.codec = new.disk.codec
             self.engine.level = new.disk.codec_level
             self.engine.budgets.set_rate("host<->disk", new.budget.host_disk or None)
+            self.engine.budgets.set_rate("gpu<->host", new.budget.gpu_host or None)
         self._kick_evictor(force=self.host.used_bytes > new.host.high_watermark * self.host_limit)
         if self.disk is not None and self.disk_used > new.disk.high_watermark * new.disk.capacity:
             self.engine.store([])  # an empty job runs make_room: the disk shrinks to its new size
@@ -964,7 +1297,7 @@ class BlockTable:
                     if b is not None and not b.protected:
                         if b.on_disk:
                             self._disk_removed(b)
-                        if b.host_off is None:
+                        if b.host_off is None and b.gpu_off is None:
                             self._forget(b)
                 self.disk_stats.corrupt += len(keys)
             self.disk.delete(keys)
@@ -976,12 +1309,15 @@ class BlockTable:
         """Write every dirty host block to disk (a warm next start); returns blocks written."""
         if self.disk is None:
             return 0
-        with self.lock:
+        deadline = time.monotonic() + timeout
+        with self.lock:  # GPU commits first reach host memory (the drain), then the disk
+            self._retry_drains()
+            while any(b.draining for b in self.blocks.values()) and time.monotonic() < deadline:
+                self.changed.wait(0.05)
             dirty = [b for b in self.blocks.values() if b.host_off is not None and not b.on_disk
                      and not b.writing and b.loading is None]
             jobs = [self._store(dirty[i:i + self.cfg.disk.write_batch])
                     for i in range(0, len(dirty), self.cfg.disk.write_batch)]
-        deadline = time.monotonic() + timeout
         for j in jobs:
             j.wait(max(0.0, deadline - time.monotonic()))
         return sum(1 for j in jobs if j.done.is_set() and j.error is None for m in j.moves if m.ok)
@@ -996,6 +1332,8 @@ class BlockTable:
             self.remote.close()
         if self.disk is not None:
             self.disk.close()
+        if self.gpu is not None:
+            self.gpu.close()
         self.host.close()
 
     def _make_policy(self, name: str, cfg: Config):
@@ -1012,3 +1350,35 @@ class BlockTable:
         if s.ns is None:
             raise BadRequest("no namespace on this connection: send HELLO first")
         return s.ns
+
+    def _tier(self, tier: object) -> str:
+        """Check a tier name from the wire: "host", or "gpu" when the GPU tier is on."""
+        if tier == "host":
+            return "host"
+        if tier == "gpu":
+            if self.gpu is None:
+                raise BadRequest("the GPU tier is off (start the daemon with --gpu-capacity)")
+            return "gpu"
+        raise BadRequest(f"tier must be 'host' or 'gpu', got {tier!r}")
+
+
+def _tier_of(b: Block) -> str:
+    """The fastest tier holding a ready copy of ``b`` (a block being filled counts as its source)."""
+    if b.gpu_off is not None and b.gpu_loading is None:
+        return "gpu"
+    return "host" if b.host_off is not None else "disk"
+
+
+def _host_tensor(view: object) -> object:
+    import torch
+
+    return torch.from_numpy(view)
+
+
+def _ready(b: Block, ev: threading.Event | None):
+    """For a copy out of ``b``'s host slot: wait until a load into that slot finished; False if it failed."""
+    def ready() -> bool:
+        if ev is not None:
+            ev.wait(120.0)
+        return not b.load_failed and b.host_off is not None and b.loading is None
+    return ready

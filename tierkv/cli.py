@@ -19,6 +19,7 @@ _SERVE_FLAGS = {
     "disk_capacity": "disk.capacity", "slab_bytes": "host.slab_bytes", "codec": "disk.codec",
     "no_disk": "disk.enabled", "policy": "host.policy", "disk_workers": "disk.workers",
     "log_level": "server.log_level", "remote": "remote.url", "remote_admission": "remote.admission",
+    "gpu_capacity": "gpu.capacity", "gpu_device": "gpu.device",
 }
 
 
@@ -76,6 +77,8 @@ def main() -> None:
 @click.option("--remote", help="Shared remote tier: redis://, rediss://, unix://, or redis+cluster://h1:p1,h2:p2.")
 @click.option("--remote-admission", type=click.Choice(["all", "reused", "pinned"]),
               help="Which blocks are written through to the remote tier.")
+@click.option("--gpu-capacity", help="GPU tier size, e.g. 8GiB (0 = off, the default).")
+@click.option("--gpu-device", help="GPU tier device: auto, cuda, cuda:N, or cpu (the CPU stand-in).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the daemon in the foreground (SIGTERM/SIGINT drain and exit 0)."""

@@ -38,16 +38,18 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 class Slots:
-    """Host slots allocated for new blocks: write ``views[i]`` in place, then :meth:`commit`.
+    """Slots allocated for new blocks (host, or GPU with ``tier="gpu"``): write ``views[i]`` in place,
+    then :meth:`commit`.
 
     Slots that are never committed are given back by :meth:`abort`, on leaving a ``with`` block, or
     when the connection closes.
     """
 
-    def __init__(self, client: Client, offsets: list[int]) -> None:
+    def __init__(self, client: Client, offsets: list[int], tier: str = "host") -> None:
         self._client = client
         self.offsets = offsets
-        self.views: list[torch.Tensor] = [client._view(off) for off in offsets]
+        self.tier = tier
+        self.views: list[torch.Tensor] = [client._view(off, tier) for off in offsets]
         self._open = True
 
     def __len__(self) -> int:
@@ -64,7 +66,7 @@ class Slots:
         """Give the slots back without publishing them."""
         if self._open and self.offsets:
             self._open = False
-            self._client._call(Op.ABORT, {"slots": self.offsets})
+            self._client._call(Op.ABORT, {"slots": self.offsets, "tier": self.tier})
         self._open = False
 
     def __enter__(self) -> Slots:
@@ -76,14 +78,17 @@ class Slots:
 
 
 class Lease:
-    """Blocks pinned in host memory for reading in place; release it (or leave the ``with`` block)."""
+    """Blocks pinned in host (or GPU) memory for reading in place; release it (or leave the ``with``
+    block). ``tiers[i]`` says where block ``i`` came from; ``tier`` which memory the views are in."""
 
-    def __init__(self, client: Client, lease_id: int, offsets: list[int], tiers: list[str]) -> None:
+    def __init__(self, client: Client, lease_id: int, offsets: list[int], tiers: list[str],
+                 tier: str = "host") -> None:
         self._client = client
         self.id = lease_id
         self.offsets = offsets
         self.tiers = tiers
-        self.views: list[torch.Tensor] = [client._view(off) for off in offsets]
+        self.tier = tier
+        self.views: list[torch.Tensor] = [client._view(off, tier) for off in offsets]
         self._held = True
 
     @property
@@ -109,7 +114,7 @@ class Client:
     """A connection to the tierkv daemon for one model namespace. Thread-safe (calls are serialised)."""
 
     def __init__(self, sock: socket.socket, ns: Namespace, pool_fd: int, pool_bytes: int, fingerprint: bytes,
-                 socket_path: str, populate: bool = True) -> None:
+                 socket_path: str, populate: bool = True, gpu: dict | None = None, gpu_fd: int | None = None) -> None:
         self._sock = sock
         self.namespace = ns
         self.layout = ns.layout
@@ -124,6 +129,14 @@ class Client:
         finally:
             os.close(pool_fd)  # the mapping keeps the memory alive
         self._pool = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._gpu = None
+        if gpu is not None:
+            from .tiers.gpu import ClientDevicePool
+
+            self._gpu = ClientDevicePool(gpu, gpu_fd)
+        elif gpu_fd is not None:
+            os.close(gpu_fd)
+        self._tickets: dict[int, str] = {}  # fetch tickets -> the tier their lease will be in
         self._reader = protocol.FrameReader(sock)
         self._closed = False
 
@@ -171,12 +184,19 @@ class Client:
                 os.close(fd)
             s.close()
             raise error_from_code(body.get("code", ""), body.get("message", "hello refused"))
-        if len(fds) != 1:
+        gpu = body.get("gpu")
+        want = 2 if gpu is not None and gpu.get("kind") == "standin" else 1
+        if len(fds) != want:
             for fd in fds:
                 os.close(fd)
             s.close()
-            raise ConnectionFailed("daemon did not pass its shared-memory pool")
-        return cls(s, ns, fds[0], int(body["pool_bytes"]), bytes(body["fingerprint"]), path, populate)
+            raise ConnectionFailed("daemon did not pass its shared-memory pools")
+        try:
+            return cls(s, ns, fds[0], int(body["pool_bytes"]), bytes(body["fingerprint"]), path, populate,
+                       gpu=gpu, gpu_fd=fds[1] if want == 2 else None)
+        except Exception as exc:
+            s.close()
+            raise ConnectionFailed(f"cannot map tierkv's memory pools: {exc}") from None
 
     def close(self) -> None:
         """Close the connection; the daemon releases every lease and slot this client held."""
@@ -191,6 +211,8 @@ class Client:
                 self._mm.close()
             except BufferError:
                 pass  # a view is still alive; the mapping goes with the last reference
+            if self._gpu is not None:
+                self._gpu.close()
 
     def __enter__(self) -> Client:
         return self
@@ -215,9 +237,26 @@ class Client:
             raise TierKVError("reply does not match the request (protocol desynchronised)")
         return reply or {}
 
-    def _view(self, offset: int) -> torch.Tensor:
+    def _view(self, offset: int, tier: str = "host") -> torch.Tensor:
         n = self.layout.block_bytes
-        return self._pool[offset:offset + n].view(self.layout.torch_dtype).view(self.layout.block_shape)
+        flat = self._gpu.view(offset, n) if tier == "gpu" and self._gpu is not None else self._pool[offset:offset + n]
+        return flat.view(self.layout.torch_dtype).view(self.layout.block_shape)
+
+    @property
+    def gpu_device(self) -> str | None:
+        """The torch device of GPU-tier views (``"cuda:N"``, or ``"cpu"`` for the CPU stand-in), or None
+        when the daemon runs without a GPU tier."""
+        return None if self._gpu is None else self._gpu.device
+
+    def _pick_tier(self, tier: str | None, tensor: Any) -> str:
+        if tier is None:  # device tensors go through the GPU tier when the daemon has a real one
+            is_dev = isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
+            return "gpu" if is_dev and self._gpu is not None and self._gpu.kind == "cuda" else "host"
+        if tier not in ("host", "gpu"):
+            raise BadRequest(f"tier must be 'host' or 'gpu', got {tier!r}")
+        if tier == "gpu" and self._gpu is None:
+            raise BadRequest("the daemon runs without a GPU tier (start it with --gpu-capacity)")
+        return tier
 
     # ---- keys -------------------------------------------------------------------------------------
     def block_keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor,
@@ -228,16 +267,22 @@ class Client:
         return chain_keys(self.fingerprint, token_ids, self.layout.block_tokens, parent)
 
     # ---- convenience layer ------------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor | np.ndarray, durable: bool = False) -> int:
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor | np.ndarray, durable: bool = False,
+            tier: str | None = None) -> int:
         """Store blocks ``[n, 2, layers, kv_heads, block_tokens, head_dim]`` under ``keys``.
 
         Returns once committed (with ``durable=True``: once synced to the disk tier, which survives a
         ``kill -9`` of the daemon). Keys already cached are deduplicated (their data is not copied).
+        ``tier="gpu"`` stores into GPU slots (a device-to-device copy; the daemon drains them to host
+        memory and disk in the background); by default CUDA tensors go there when the daemon has a GPU.
 
         Returns:
             How many blocks were new.
         """
         keys = _check_keys(keys)
+        tier = self._pick_tier(tier, blocks)
+        if tier == "gpu":
+            return self._put_gpu(keys, blocks, durable)
         src = self._check_blocks(blocks, len(keys))
         if not keys:
             return 0
@@ -259,13 +304,42 @@ class Client:
             return 0
         return int(self._call(Op.COMMIT, {"keys": new_keys, "slots": new_slots, "durable": durable})["new"])
 
-    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The blocks under ``keys`` as one tensor (promoting from disk as needed).
+    def _put_gpu(self, keys: list[bytes], blocks: Any, durable: bool) -> int:
+        assert self._gpu is not None
+        src = self._check_blocks(blocks, len(keys), device=self._gpu.device)
+        if not keys:
+            return 0
+        offsets = self._call(Op.ALLOC, {"n": len(keys), "keys": None if durable else keys, "tier": "gpu"})["slots"]
+        new_keys, new_slots = [], []
+        n = self.layout.block_bytes
+        try:
+            for i, off in enumerate(offsets):
+                if off is None:
+                    continue
+                self._gpu.view(off, n).copy_(src[i].reshape(-1).view(torch.uint8))
+                new_keys.append(keys[i])
+                new_slots.append(off)
+            if self._gpu.kind == "cuda":
+                torch.cuda.current_stream(self._gpu.device).synchronize()  # the daemon reads on its own streams
+        except BaseException:
+            self._call(Op.ABORT, {"slots": [o for o in offsets if o is not None], "tier": "gpu"})
+            raise
+        if not new_slots and not durable:
+            return 0
+        return int(self._call(Op.COMMIT, {"keys": new_keys, "slots": new_slots, "durable": durable,
+                                          "tier": "gpu"})["new"])
+
+    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None, tier: str | None = None) -> torch.Tensor:
+        """The blocks under ``keys`` as one tensor (promoting from disk as needed). ``tier="gpu"`` (the
+        default when ``out`` is a CUDA tensor and the daemon has a GPU) reads through GPU slots into a
+        tensor on the GPU tier's device.
 
         Raises:
             KeyMissing: a block is not cached (the message says which index is the first missing).
         """
         keys = _check_keys(keys)
+        if self._pick_tier(tier, out) == "gpu":
+            return self._get_gpu(keys, out)
         shape = self.layout.batch_shape(len(keys))
         if out is None:
             out = torch.empty(shape, dtype=self.layout.torch_dtype)
@@ -282,6 +356,27 @@ class Client:
                 _stream_copy(_as_bytes(out[i]), self._pool[off:off + n].numpy())
         return out
 
+    def _get_gpu(self, keys: list[bytes], out: torch.Tensor | None) -> torch.Tensor:
+        assert self._gpu is not None
+        shape = self.layout.batch_shape(len(keys))
+        dev = torch.device(self._gpu.device)
+        if out is None:
+            out = torch.empty(shape, dtype=self.layout.torch_dtype, device=dev)
+        elif (tuple(out.shape) != shape or out.dtype != self.layout.torch_dtype or not out.is_contiguous()
+              or out.device != dev):
+            raise BadRequest(f"out must be a contiguous {self.layout.dtype} tensor of shape {shape} on {dev}")
+        if not keys:
+            return out
+        with self.acquire(keys, tier="gpu") as lease:
+            if lease.count < len(keys):
+                raise KeyMissing(f"{len(keys) - lease.count} of {len(keys)} blocks are not cached "
+                                 f"(first missing at index {lease.count})")
+            for i, v in enumerate(lease.views):
+                out[i].copy_(v)
+            if self._gpu.kind == "cuda":
+                torch.cuda.current_stream(dev).synchronize()  # done reading before the lease ends
+        return out
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks of ``keys`` are cached in any tier."""
         return int(self._call(Op.LOOKUP, {"keys": _check_keys(keys)})["count"])
@@ -291,11 +386,13 @@ class Client:
         return list(self._call(Op.LOOKUP, {"keys": _check_keys(keys), "tiers": True})["tiers"])
 
     # ---- zero-copy layer --------------------------------------------------------------------------
-    def alloc(self, n: int) -> Slots:
-        """Allocate ``n`` host slots to write new blocks into, in place (``slots.views[i]``)."""
+    def alloc(self, n: int, tier: str = "host") -> Slots:
+        """Allocate ``n`` slots to write new blocks into, in place (``slots.views[i]``); ``tier="gpu"``
+        gives device views in the GPU tier (finish writing, e.g. synchronise the stream, before commit)."""
         if not isinstance(n, int) or n < 0:
             raise BadRequest("n must be a non-negative int")
-        return Slots(self, self._call(Op.ALLOC, {"n": n})["slots"])
+        tier = self._pick_tier(tier, None)
+        return Slots(self, self._call(Op.ALLOC, {"n": n, "tier": tier})["slots"], tier)
 
     def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False) -> int:
         """Publish written slots under ``keys`` (immutable from now on); duplicates are deduplicated.
@@ -309,33 +406,41 @@ class Client:
         if len(keys) != len(slots):
             raise BadRequest(f"{len(keys)} keys for {len(slots)} slots")
         slots._open = False
-        return int(self._call(Op.COMMIT, {"keys": keys, "slots": slots.offsets, "durable": durable})["new"])
+        return int(self._call(Op.COMMIT, {"keys": keys, "slots": slots.offsets, "durable": durable,
+                                          "tier": slots.tier})["new"])
 
-    def acquire(self, keys: Sequence[bytes]) -> Lease:
-        """Lease the longest cached prefix of ``keys`` in host memory (promoting from disk); read
-        ``lease.views`` in place, then release. ``lease.count`` may be less than ``len(keys)``."""
-        r = self._call(Op.ACQUIRE, {"keys": _check_keys(keys)})
-        return Lease(self, int(r["lease"]), list(r["slots"]), list(r["tiers"]))
+    def acquire(self, keys: Sequence[bytes], tier: str = "host") -> Lease:
+        """Lease the longest cached prefix of ``keys`` in host memory (or GPU memory with ``tier="gpu"``),
+        promoting from colder tiers; read ``lease.views`` in place, then release. ``lease.count`` may be
+        less than ``len(keys)``."""
+        tier = self._pick_tier(tier, None)
+        r = self._call(Op.ACQUIRE, {"keys": _check_keys(keys), "tier": tier})
+        return Lease(self, int(r["lease"]), list(r["slots"]), list(r["tiers"]), tier)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Drop blocks from every tier (an invalidation); leased blocks are kept. Returns blocks dropped."""
         return int(self._call(Op.DELETE, {"keys": _check_keys(keys)})["deleted"])
 
-    def fetch(self, keys: Sequence[bytes]) -> int:
-        """Start bringing the cached prefix of ``keys`` into host memory; returns a ticket for
-        :meth:`wait`. Never blocks on the disk."""
-        return int(self._call(Op.FETCH, {"keys": _check_keys(keys)})["ticket"])
+    def fetch(self, keys: Sequence[bytes], tier: str = "host") -> int:
+        """Start bringing the cached prefix of ``keys`` into host memory (or GPU memory with
+        ``tier="gpu"``); returns a ticket for :meth:`wait`. Never blocks on the disk."""
+        tier = self._pick_tier(tier, None)
+        ticket = int(self._call(Op.FETCH, {"keys": _check_keys(keys), "tier": tier})["ticket"])
+        self._tickets[ticket] = tier
+        return ticket
 
     def wait(self, ticket: int, timeout: float | None = None) -> Lease:
         """A lease on the exact prefix that arrived within ``timeout`` seconds (``None``: all of it).
         A short prefix is a normal result, never an error; the rest keeps loading in the background."""
         r = self._call(Op.WAIT, {"ticket": ticket, "timeout": timeout})
-        return Lease(self, int(r["lease"]), list(r["slots"]), list(r["tiers"]))
+        return Lease(self, int(r["lease"]), list(r["slots"]), list(r["tiers"]), self._tickets.pop(ticket, "host"))
 
-    def prefetch(self, keys: Sequence[bytes]) -> int:
-        """Announce a queued request: its disk blocks are promoted in the background. Returns at once
-        with how many loads started."""
-        return int(self._call(Op.PREFETCH, {"keys": _check_keys(keys)})["started"])
+    def prefetch(self, keys: Sequence[bytes], tier: str = "host") -> int:
+        """Announce a queued request: its disk blocks are promoted to host memory (with ``tier="gpu"``,
+        every block not on the GPU yet to GPU memory) in the background. Returns at once with how many
+        loads started."""
+        tier = self._pick_tier(tier, None)
+        return int(self._call(Op.PREFETCH, {"keys": _check_keys(keys), "tier": tier})["started"])
 
     def lookup_plan(self, keys: Sequence[bytes]) -> dict[str, Any]:
         """Per leading cached block: ``tiers``, ``ready`` (in host memory now), and ``fetch``: how many
@@ -447,7 +552,7 @@ class Client:
         return self._call(Op.PING, {})
 
     # ---- validation -------------------------------------------------------------------------------
-    def _check_blocks(self, blocks: torch.Tensor | np.ndarray, n: int) -> torch.Tensor:
+    def _check_blocks(self, blocks: torch.Tensor | np.ndarray, n: int, device: str = "cpu") -> torch.Tensor:
         shape = self.layout.batch_shape(n)
         if isinstance(blocks, np.ndarray):
             want = numpy_view_dtype(self.layout.dtype)
@@ -461,13 +566,13 @@ class Client:
             t = blocks
             if t.dtype != self.layout.torch_dtype:
                 raise BadRequest(f"blocks dtype {t.dtype} does not match the layout ({self.layout.dtype})")
-            if t.device.type != "cpu":
-                t = t.cpu()
         else:
             raise BadRequest("blocks must be a torch tensor or numpy array")
         if tuple(t.shape) != shape:
             raise BadRequest(f"blocks have shape {tuple(t.shape)}; expected {shape} "
                              "[n, 2, layers, kv_heads, block_tokens, head_dim]")
+        if t.device != torch.device(device):
+            t = t.to(device)
         return t.contiguous()
 
 

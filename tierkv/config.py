@@ -99,6 +99,18 @@ class DiskConfig:
 
 
 @dataclass
+class GpuConfig:
+    """The GPU tier: device memory shared with the engine through a CUDA IPC handle (off by default)."""
+
+    capacity: int = 0
+    """Bytes of device memory for block slots; 0 turns the tier off."""
+    device: str = "auto"
+    """auto (CUDA if torch sees a GPU, else the CPU stand-in), cuda, cuda:N, or cpu (the stand-in)."""
+    slab_bytes: int = 32 << 20
+    """Slab size of the device pool (a namespace's slot must fit in one slab); capped at the capacity."""
+
+
+@dataclass
 class BudgetConfig:
     """Bandwidth caps per link in bytes/s (0 = unlimited), so offload traffic cannot starve decode."""
 
@@ -120,13 +132,14 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     policy: dict[str, Any] = field(default_factory=dict)
     """Policy weights (``[policy]`` table, ``policy.<name>`` keys), applied to every tier whose policy has them."""
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
-    SECTIONS = ("server", "host", "disk", "budget", "remote", "policy")
+    SECTIONS = ("server", "host", "disk", "gpu", "budget", "remote", "policy")
 
     @property
     def socket_path(self) -> str:
@@ -145,6 +158,14 @@ class Config:
                 raise ValueError(f"{name} watermarks must satisfy 0 < low <= high <= 1")
         if d.enabled and d.capacity < (1 << 20):
             raise ValueError("disk.capacity must be at least 1 MiB")
+        g = self.gpu
+        if g.capacity < 0:
+            raise ValueError("gpu.capacity must be >= 0 (0 turns the GPU tier off)")
+        if g.slab_bytes < 4096 or g.slab_bytes % 4096:
+            raise ValueError("gpu.slab_bytes must be a multiple of 4 KiB (at least 4 KiB)")
+        dev = g.device.strip().lower()
+        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ValueError(f"gpu.device: expected auto, cpu, cuda or cuda:N, got {g.device!r}")
         if d.workers < 1 or d.workers > 64:
             raise ValueError("disk.workers must be between 1 and 64")
         if d.write_batch < 1:

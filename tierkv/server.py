@@ -251,10 +251,14 @@ class Server:
             raise BadRequest(str(exc)) from None
         self.table.register(s, ns)
         pool = self.table.host
-        reply = protocol.pack(Op.HELLO, s.rid, {"fingerprint": ns.fingerprint, "pool_bytes": pool.capacity,
-                                                "session": s.id, "pid": os.getpid()})
+        body = {"fingerprint": ns.fingerprint, "pool_bytes": pool.capacity, "session": s.id, "pid": os.getpid()}
+        fds = [pool.fd]
+        if self.table.gpu is not None:
+            # CUDA: an IPC handle in the body; the CPU stand-in: a second memfd after the host pool's.
+            body["gpu"], gpu_fds = self.table.gpu.export()
+            fds += gpu_fds
         # The reply carries the pool's memfd (SCM_RIGHTS): no named shared memory exists to leak.
-        socket.send_fds(conn, [reply], [pool.fd])
+        socket.send_fds(conn, [protocol.pack(Op.HELLO, s.rid, body)], fds)
         return _SENT
 
     def _op_alloc(self, conn: socket.socket, s: Session, body: dict) -> dict:
@@ -263,7 +267,7 @@ class Server:
         if keys is not None:
             keys = validate_keys(keys)
         n = body.get("n", len(keys) if keys is not None else 0)
-        return {"slots": self.table.alloc(s, n, keys)}
+        return {"slots": self.table.alloc(s, n, keys, body.get("tier", "host"))}
 
     def _op_commit(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
@@ -271,14 +275,14 @@ class Server:
         slots = body.get("slots")
         if not isinstance(slots, list):
             raise BadRequest("slots must be a list")
-        return {"new": self.table.commit(s, keys, slots, bool(body.get("durable", False)))}
+        return {"new": self.table.commit(s, keys, slots, bool(body.get("durable", False)), body.get("tier", "host"))}
 
     def _op_abort(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
         slots = body.get("slots")
         if not isinstance(slots, list) or not all(type(x) is int for x in slots):
             raise BadRequest("slots must be a list of ints")
-        self.table.abort(s, slots)
+        self.table.abort(s, slots, body.get("tier", "host"))
         return {}
 
     def _op_lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
@@ -288,12 +292,12 @@ class Server:
 
     def _op_acquire(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
-        lease, slots, tiers = self.table.acquire(s, validate_keys(body.get("keys")))
+        lease, slots, tiers = self.table.acquire(s, validate_keys(body.get("keys")), body.get("tier", "host"))
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
     def _op_fetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
-        return {"ticket": self.table.fetch(s, validate_keys(body.get("keys")))}
+        return {"ticket": self.table.fetch(s, validate_keys(body.get("keys")), body.get("tier", "host"))}
 
     def _op_wait(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
@@ -305,7 +309,7 @@ class Server:
 
     def _op_prefetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
-        return {"started": self.table.prefetch(s, validate_keys(body.get("keys")))}
+        return {"started": self.table.prefetch(s, validate_keys(body.get("keys")), body.get("tier", "host"))}
 
     def _op_plan(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
@@ -368,7 +372,7 @@ class Server:
     # Settings fixed at start-up (they shape the pool, the socket or the LMDB environment).
     _RESTART_ONLY = ("server.socket", "server.data_dir", "server.allow_uids", "server.max_frame_bytes",
                      "host.slab_bytes", "host.prefault", "disk.enabled", "disk.workers", "disk.sync",
-                     "server.max_clients")
+                     "server.max_clients", "gpu.capacity", "gpu.device", "gpu.slab_bytes")
 
     def _op_tune(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Change settings on the running daemon: all are checked first; a bad one changes nothing."""
@@ -416,13 +420,23 @@ class Server:
             host_blocks = [b for b in t.blocks.values() if b.host_off is not None]
             live = sum(b.nbytes for b in host_blocks)
             disk_blocks = sum(1 for b in t.blocks.values() if b.on_disk)
-            leases = sum(b.leases for b in t.blocks.values())
+            leases = sum(b.leases + b.gpu_leases for b in t.blocks.values())
             tiers = {
                 "host": tier_snapshot(t.host_stats, capacity=t.host.capacity, used=t.host.used_bytes,
                                       blocks=len(host_blocks), fragmentation=round(t.host.fragmentation(live), 4),
                                       slabs={str(k): v for k, v in t.host.slab_usage().items()},
                                       policy=t.host_policy.name),
             }
+            if t.gpu is not None:
+                gpu_blocks = [b for b in t.blocks.values() if b.gpu_off is not None]
+                gpu_live = sum(b.nbytes for b in gpu_blocks)
+                tiers["gpu"] = tier_snapshot(t.gpu_stats, capacity=t.gpu.capacity, used=t.gpu.used_bytes,
+                                             blocks=len(gpu_blocks), kind=t.gpu.kind, device=t.gpu.device,
+                                             fragmentation=round(t.gpu.fragmentation(gpu_live), 4),
+                                             draining=sum(1 for b in gpu_blocks if b.draining),
+                                             host_pinned=bool(t.engine._registered), policy=t.gpu_policy.name)
+                tiers["gpu"]["bytes_logical"] = gpu_live
+                tiers["gpu"]["bytes_stored"] = t.gpu.used_bytes
             tiers["host"]["bytes_logical"] = live
             tiers["host"]["bytes_stored"] = t.host.used_bytes
             tiers["host"]["pinned_bytes"] = t.pinned_bytes

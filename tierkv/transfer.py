@@ -25,6 +25,7 @@ from .codecs import CodecError, decode_block, encode_block
 from .costmodel import CostModel
 from .errors import TierKVError
 from .layout import Layout
+from .streams import Copy
 from .tiers.disk import DiskError, DiskTier
 
 log = logging.getLogger("tierkv.transfer")
@@ -89,6 +90,8 @@ class TransferEngine:
         self.link_bytes: dict[str, int] = {"host->disk": 0, "disk->host": 0}
         self.link_seconds: dict[str, float] = {"host->disk": 0.0, "disk->host": 0.0}
         self.failures = 0
+        self.device: Any = None    # the GPU tier's pool once attach_device ran
+        self._registered = 0       # host pool address registered with cudaHostRegister
 
     # ---- stores: host -> disk -------------------------------------------------------------------
     def store(self, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
@@ -260,6 +263,51 @@ class TransferEngine:
         pool.submit(run)
         return job
 
+    # ---- device: host <-> gpu ---------------------------------------------------------------------
+    def attach_device(self, pool: Any, host: Any) -> None:
+        """Serve the GPU tier ``pool``: two copy queues (loads on a high-priority stream) and, on CUDA,
+        the host pool registered as pinned memory so copies are DMA, not staged."""
+        from .streams import make_queue
+
+        self.device = pool
+        if pool.kind == "cuda":
+            from . import cuda
+
+            ptr = int(host.array.ctypes.data)
+            cuda.host_register(ptr, host.capacity)
+            self._registered = ptr
+        gate = self._device_gate
+        self._h2d = make_queue(pool.kind, "h2d", pool.index, high_priority=True, gate=gate)
+        self._d2h = make_queue(pool.kind, "d2h", pool.index, high_priority=False, gate=gate)
+        self.link_bytes.update({"host->gpu": 0, "gpu->host": 0})
+        self.link_seconds.update({"host->gpu": 0.0, "gpu->host": 0.0})
+
+    def _device_gate(self, nbytes: int) -> Any:
+        return self.budgets.transfer("gpu<->host", nbytes)
+
+    def to_device(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> None:
+        """Host slots -> GPU slots on the load queue (it never waits behind stores)."""
+        self._device_job("host->gpu", self._h2d, copies, on_done)
+
+    def to_host(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> None:
+        """GPU slots -> host slots on the store queue (the drain behind a GPU-tier commit)."""
+        self._device_job("gpu->host", self._d2h, copies, on_done)
+
+    def _device_job(self, link: str, q: Any, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> None:
+        with self._lock:
+            self.inflight += 1
+        t0 = time.perf_counter()
+
+        def done(cs: list[Copy]) -> None:
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                self.inflight -= 1
+                self.link_seconds[link] += seconds
+                self.link_bytes[link] += sum(c.src.numel() for c in cs if c.ok)
+            on_done(cs)
+
+        q.submit(copies, done)
+
     # ---- lifecycle --------------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
         with self._lock:
@@ -273,6 +321,17 @@ class TransferEngine:
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued jobs (bounded by ``timeout``), then stop the threads."""
+        if self.device is not None:
+            self._h2d.close()
+            self._d2h.close()
+            if self._registered:
+                from . import cuda
+
+                try:
+                    cuda.host_unregister(self._registered)
+                except Exception as exc:
+                    log.warning("cudaHostUnregister: %s", exc)
+                self._registered = 0
         self._stores.put(None)
         self._writer.join(timeout)
         self._remote_writer.shutdown(wait=True)

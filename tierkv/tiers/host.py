@@ -35,32 +35,40 @@ class _Slab:
     used: int = 0
 
 
-class HostPool:
-    """The memfd pool and its slab allocator. Not thread-safe: the block table serialises calls."""
+def shared_mapping(name: str, nbytes: int, prefault: bool = True) -> tuple[int, mmap.mmap]:
+    """A sealed memfd of ``nbytes`` and its shared mapping (clients receive the fd over SCM_RIGHTS)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        if prefault:
+            # Commit the memory now: a short machine fails here, not with SIGBUS mid-write later.
+            os.posix_fallocate(fd, 0, nbytes)
+        # Sealed against resizing: a client cannot truncate the pool under the daemon (SIGBUS).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        # Populated mapping: encode and decode touch slots the daemon has not touched before, and
+        # ~500 page faults per 2 MiB slot cost more than the codec (measured in the disk path).
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+        return fd, mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        os.close(fd)
+        raise
 
-    def __init__(self, capacity: int, slab_bytes: int, prefault: bool = True) -> None:
+
+class SlabAllocator:
+    """Slot offsets in a region of ``nslabs`` slabs (memcached-style slab classes), without the memory.
+
+    The host pool (a memfd) and the GPU tier's device pool share it. Not thread-safe: the block table
+    serialises calls.
+    """
+
+    def __init__(self, capacity: int, slab_bytes: int) -> None:
         if slab_bytes % SLOT_ALIGN:
             raise ValueError("slab_bytes must be a multiple of 4 KiB")
         self.slab_bytes = slab_bytes
         self.nslabs = capacity // slab_bytes
         if self.nslabs < 1:
-            raise ValueError("host capacity must hold at least one slab")
+            raise ValueError("pool capacity must hold at least one slab")
         self.capacity = self.nslabs * slab_bytes
-        self.fd = os.memfd_create("tierkv-host", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, self.capacity)
-            if prefault:
-                # Commit the memory now: a short machine fails here, not with SIGBUS mid-write later.
-                os.posix_fallocate(self.fd, 0, self.capacity)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            # Populated mapping: encode and decode touch slots the daemon has not touched before, and
-            # ~500 page faults per 2 MiB slot cost more than the codec (measured in the disk path).
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
-            self.mm = mmap.mmap(self.fd, self.capacity, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
-            os.close(self.fd)
-            raise
-        self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self._slabs: list[_Slab | None] = [None] * self.nslabs
         self._free_slabs = list(range(self.nslabs - 1, -1, -1))
         self._partial: dict[int, dict[int, None]] = {}  # slot size -> slabs with a free slot (ordered set)
@@ -120,10 +128,6 @@ class HostPool:
         """Which slab holds ``offset``."""
         return offset // self.slab_bytes
 
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        """A uint8 numpy view of ``nbytes`` at ``offset`` (no copy)."""
-        return self.array[offset:offset + nbytes]
-
     def fragmentation(self, live_bytes: int) -> float:
         """1 - live block bytes / bytes of slabs handed to slot classes (0 when nothing is assigned)."""
         assigned = (self.nslabs - len(self._free_slabs)) * self.slab_bytes
@@ -144,6 +148,19 @@ class HostPool:
         if slab is None:
             raise ValueError(f"offset {offset} is in a free slab")
         return slab
+
+
+class HostPool(SlabAllocator):
+    """The memfd pool and its slab allocator. Not thread-safe: the block table serialises calls."""
+
+    def __init__(self, capacity: int, slab_bytes: int, prefault: bool = True) -> None:
+        super().__init__(capacity, slab_bytes)
+        self.fd, self.mm = shared_mapping("tierkv-host", self.capacity, prefault)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A uint8 numpy view of ``nbytes`` at ``offset`` (no copy)."""
+        return self.array[offset:offset + nbytes]
 
     def close(self) -> None:
         """Unmap and close the memfd (clients' mappings stay valid until they unmap)."""
