@@ -131,3 +131,22 @@ def test_paged_store_and_load_round_trip(daemon):
                 assert torch.equal(v2[layer][dst], v_cache[layer][src])
         blk = c.get(keys[:1])[0]  # tierkv's own layout: [2, L, H, T, D]
         assert torch.equal(blk[0, 1], k_cache[1][7].permute(1, 0, 2))
+
+
+def test_write_behind_cleans_cold_blocks_so_stores_need_not_wait(daemon_factory):
+    d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"], env={"TIERKV_DISK_ADMISSION": "all"})
+    with d.client() as c:  # 8 KiB blocks: 1,024 host slots
+        keys, blocks = keys_for(c, 1400, seed=11), rand_blocks(1400, seed=11)
+        c.put(keys[:800], blocks[:800])
+        deadline = time.time() + 30
+        while time.time() < deadline and c.stats()["tiers"]["disk"]["blocks"] < 700:
+            time.sleep(0.05)
+        st = c.stats()["tiers"]
+        # written ahead of eviction: on disk and still in host memory
+        assert st["disk"]["written_behind"] >= 700 and st["host"]["blocks"] == 800 and st["host"]["evictions"] == 0
+        c.put(keys[800:], blocks[800:])  # past capacity: clean blocks are evicted, no write in the way
+        st = c.stats()["tiers"]
+        assert st["host"]["evictions"] >= 400 - 224 and st["host"]["used_bytes"] <= 8 << 20
+        assert c.lookup(keys) == 1400
+        for i in range(0, 1400, 350):  # leases must fit the 8 MiB host tier
+            assert torch.equal(c.get(keys[i:i + 350]).view(torch.int16), blocks[i:i + 350].view(torch.int16))

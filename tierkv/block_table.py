@@ -152,6 +152,8 @@ class BlockTable:
         self.gpu_stats = TierCounters()
         self.gpu_policy = make_policy("lru")  # device slots are few and clean once drained: plain recency
         self._undrained: list[Block] = []     # GPU commits waiting for a host slot to drain into
+        self._wb_job: Job | None = None       # the write-behind batch in flight
+        self.written_behind = 0
         if cfg.gpu.capacity:
             from .tiers.gpu import DevicePool
 
@@ -931,6 +933,7 @@ class BlockTable:
                     if "full" not in str(job.error):
                         self.degraded = str(job.error)
                 self.changed.notify_all()
+            self._kick.set()  # the evictor may be waiting on this write (demotion, write-behind)
 
         return self.engine.store(moves, on_done=done)
 
@@ -1098,6 +1101,7 @@ class BlockTable:
                 self._demote_once()
                 if self._undrained:
                     self._retry_drains()
+                self._write_behind()
             except Exception:
                 log.exception("evictor")
 
@@ -1135,6 +1139,42 @@ class BlockTable:
                     if b.on_disk:
                         self._drop_host(b)
             self.changed.notify_all()
+
+    def _write_behind(self) -> None:
+        """Clean the coldest admitted dirty host blocks while the disk writer is idle: a later eviction
+        then only frees their slots, so a burst of stores runs at memory speed instead of disk speed."""
+        if self.disk is None or not self.cfg.host.write_behind or self._closing:
+            return
+        if self._wb_job is not None and not self._wb_job.done.is_set():
+            return  # one batch at a time; its completion wakes the evictor for the next
+        with self.lock:
+            if self.host.used_bytes < self.cfg.host.write_behind_above * self.host_limit:
+                return
+            admission = self.cfg.disk.admission
+
+            def skip(fk: bytes) -> bool:
+                b = self.blocks[fk]
+                return b.protected or not self._worth_writing(b, admission)
+
+            # Walk the policy's eviction order (clean blocks included: prefix-aware policies free a
+            # parent only after its children) until it holds a batch of dirty blocks.
+            batch, used = self.engine.write_batch_bytes, self.host.used_bytes
+            want, order = min(batch, used), None
+            while order is None and want >= 4096:
+                order = self.host_policy.victims(want, skip)
+                if order is None:
+                    want //= 2
+            victims: list[bytes] = []
+            while order:
+                victims = [fk for fk in order if not self.blocks[fk].on_disk]
+                if want >= used or sum(self.blocks[fk].nbytes for fk in victims) >= batch:
+                    break
+                want = min(want * 2, used)
+                order = self.host_policy.victims(want, skip)
+            if not victims:
+                return
+            self._wb_job = self._store([self.blocks[fk] for fk in victims])
+            self.written_behind += len(victims)
 
     # ---- pinned prefixes and windows ---------------------------------------------------------------
     def pin_prefix(self, s: Session, keys: list[bytes], priority: int) -> int:

@@ -67,6 +67,11 @@ class HostConfig:
     """Eviction policy for this tier (lru, lfu, slru, gdsf, attention)."""
     max_pinned_fraction: float = 0.5
     """Pinned prefixes may hold at most this share of the host tier."""
+    write_behind: bool = True
+    """While the disk is idle, write blocks the disk tier admits ahead of eviction (coldest first), so
+    that a burst of stores finds clean blocks to evict and never waits for the disk."""
+    write_behind_above: float = 0.5
+    """Write behind only while the host tier is fuller than this share of its capacity."""
 
 
 @dataclass
@@ -174,6 +179,8 @@ class Config:
             raise ValueError("server.max_frame_bytes must be >= 4096")
         if s.drain_timeout_s < 0:
             raise ValueError("server.drain_timeout_s must be >= 0")
+        if not 0 <= h.write_behind_above <= 1:
+            raise ValueError("host.write_behind_above must be within 0..1")
         if not 0 <= h.max_pinned_fraction <= 1:
             raise ValueError("host.max_pinned_fraction must be within 0..1")
         from .policy import policy_class, policy_names
