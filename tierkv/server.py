@@ -446,6 +446,7 @@ class Server:
                                               blocks=disk_blocks, codec=t.engine.codec, file_bytes=t.disk.file_bytes(),
                                               readers=t.disk.readers(), policy=t.disk_policy.name,
                                               admission=t.cfg.disk.admission, admitted=t.admitted,
+                                              written_behind=t.written_behind,
                                               rejected=t.rejected)
         remote = t.remote_snapshot()  # may touch the network: outside the table lock
         if remote is not None:
