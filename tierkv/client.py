@@ -471,10 +471,11 @@ class Client:
 
     # ---- paged engine caches ----------------------------------------------------------------------
     def store_paged(self, keys: Sequence[bytes], k_caches: Any, v_caches: Any, block_ids: Any,
-                    *, layout: str = "NHD", durable: bool = False) -> int:
+                    *, layout: str = "NHD", durable: bool = False, tier: str | None = None) -> int:
         """Offload straight from an engine's paged KV cache (vLLM-style per-layer K and V of shape
         ``[num_blocks, block_tokens, kv_heads, head_dim]``, or ``"HND"``): the engine blocks
-        ``block_ids`` are gathered into fresh slots in one pass and committed under ``keys``.
+        ``block_ids`` are gathered into fresh slots in one pass and committed under ``keys``. Caches on
+        a CUDA device go into GPU-tier slots (one device-to-device kernel) when the daemon has a GPU tier.
 
         Returns:
             How many blocks were new.
@@ -484,12 +485,14 @@ class Client:
         keys = _check_keys(keys)
         if len(block_ids) != len(keys):
             raise BadRequest("one engine block id per key")
-        with self.alloc(len(keys)) as slots:
+        tier = self._pick_tier(tier, _first_tensor(k_caches))
+        with self.alloc(len(keys), tier=tier) as slots:
             gather(k_caches, v_caches, block_ids, slots.views, layout=layout)
+            self._sync_device(tier)
             return slots.commit(keys, durable=durable)
 
     def load_paged(self, keys: Sequence[bytes], k_caches: Any, v_caches: Any, block_ids: Any,
-                   *, layout: str = "NHD") -> int:
+                   *, layout: str = "NHD", tier: str | None = None) -> int:
         """Load the cached prefix of ``keys`` straight into an engine's paged KV cache at ``block_ids``
         (one scatter pass); returns how many leading blocks were loaded."""
         from .paged import scatter
@@ -497,10 +500,16 @@ class Client:
         keys = _check_keys(keys)
         if len(block_ids) != len(keys):
             raise BadRequest("one engine block id per key")
-        with self.acquire(keys) as lease:
+        tier = self._pick_tier(tier, _first_tensor(k_caches))
+        with self.acquire(keys, tier=tier) as lease:
             if lease.count:
                 scatter(lease.views, k_caches, v_caches, list(block_ids)[:lease.count], layout=layout)
+                self._sync_device(tier)  # the copy must be done before the lease ends
             return lease.count
+
+    def _sync_device(self, tier: str) -> None:
+        if tier == "gpu" and self._gpu is not None and self._gpu.kind == "cuda":
+            torch.cuda.current_stream(self._gpu.device).synchronize()
 
     def release(self, lease: Lease) -> None:
         """End a lease (same as ``lease.release()``)."""
@@ -574,6 +583,13 @@ class Client:
         if t.device != torch.device(device):
             t = t.to(device)
         return t.contiguous()
+
+
+def _first_tensor(caches: Any) -> Any:
+    """The first tensor of a per-layer list (or the tensor itself): it tells where the caches live."""
+    if isinstance(caches, list | tuple) and caches:
+        return caches[0]
+    return caches
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -285,28 +285,35 @@ class TransferEngine:
     def _device_gate(self, nbytes: int) -> Any:
         return self.budgets.transfer("gpu<->host", nbytes)
 
-    def to_device(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> None:
+    def to_device(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> Job:
         """Host slots -> GPU slots on the load queue (it never waits behind stores)."""
-        self._device_job("host->gpu", self._h2d, copies, on_done)
+        return self._device_job(("host", "gpu"), self._h2d, copies, on_done)
 
-    def to_host(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> None:
+    def to_host(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> Job:
         """GPU slots -> host slots on the store queue (the drain behind a GPU-tier commit)."""
-        self._device_job("gpu->host", self._d2h, copies, on_done)
+        return self._device_job(("gpu", "host"), self._d2h, copies, on_done)
 
-    def _device_job(self, link: str, q: Any, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> None:
+    def _device_job(self, route: tuple[str, str], q: Any, copies: list[Copy],
+                    on_done: Callable[[list[Copy]], None]) -> Job:
+        job = Job(next(self._ids), route, [])  # its copies report through on_done; done is set after
+        link = "->".join(route)
         with self._lock:
             self.inflight += 1
         t0 = time.perf_counter()
 
         def done(cs: list[Copy]) -> None:
-            seconds = time.perf_counter() - t0
+            job.seconds = time.perf_counter() - t0
             with self._lock:
                 self.inflight -= 1
-                self.link_seconds[link] += seconds
+                self.link_seconds[link] += job.seconds
                 self.link_bytes[link] += sum(c.src.numel() for c in cs if c.ok)
-            on_done(cs)
+            try:
+                on_done(cs)
+            finally:
+                job.done.set()
 
         q.submit(copies, done)
+        return job
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
