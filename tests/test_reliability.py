@@ -259,6 +259,52 @@ def test_dead_clients_release_everything_1000_cycles(daemon_factory):
           f"threads {base['threads']}->{after['threads']}, anon {base['anon_kb']}->{after['anon_kb']} kB")
 
 
+_ALLOC_CHURN = r"""
+import random, sys, threading
+from tierkv.cli import malloc_trim
+
+def anon_kb():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+
+def churn(seed):  # like connection threads: malloc-sized objects (1-64 KiB) come and go, a few live on
+    rng, keep = random.Random(seed), []
+    for _ in range(20_000):
+        b = bytearray(rng.randint(1024, 65536))
+        if rng.random() < 0.02:
+            keep.append(b)
+        if len(keep) > 100:
+            keep.pop(rng.randrange(len(keep)))
+
+base = anon_kb()
+ts = [threading.Thread(target=churn, args=(i,)) for i in range(8)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+held = anon_kb()
+assert malloc_trim()
+print(base, held, anon_kb())
+"""
+
+
+def test_daemon_allocator_gives_freed_memory_back():
+    """Under the daemon's glibc tunables (a high trim threshold keeps LMDB's value buffers warm), memory
+    that eight threads malloc'd and freed comes back to the kernel with ``malloc_trim``, which the
+    daemon calls every ``MALLOC_TRIM_S`` seconds: one arena (``arena_max=1``), whose top and holes
+    malloc_trim releases; a thread arena's top it cannot release, and with 8 x cores arenas that
+    retention grew the soak's RSS (docs/notes/reliability.md)."""
+    from tierkv.cli import _TUNABLES, MALLOC_TRIM_S
+
+    assert "glibc.malloc.arena_max=1" in _TUNABLES and 0 < MALLOC_TRIM_S <= 30
+    out = subprocess.run([sys.executable, "-c", _ALLOC_CHURN], env=dict(os.environ, GLIBC_TUNABLES=_TUNABLES),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    base, held, trimmed = map(int, out.stdout.split())
+    assert trimmed - base < 5 * 1024, f"anon kB: {base} at start, {held} after churn, {trimmed} after trim"
+
+
 # ---- 3. full disk and full map ------------------------------------------------------------------------
 @pytest.fixture
 def small_fs(tmp_path: Path):
@@ -524,6 +570,69 @@ def test_corrupt_values_are_misses_dropped_and_counted(daemon_factory):
         assert missing_of(c, good) == []
         assert all(c.lookup([keys[i]]) == 0 for i in bad)
         assert c.stats()["tiers"]["disk"]["blocks"] == len(good)
+
+
+class _FakeDaemon:
+    """A socket that answers VERIFY with a canned reply, or never answers (``reply=None``)."""
+
+    def __init__(self, path: str, reply: dict | None) -> None:
+        import socket as _s
+
+        from tierkv import protocol
+
+        self.path, self.reply = path, reply
+        self.lst = _s.socket(_s.AF_UNIX, _s.SOCK_STREAM)
+        self.lst.bind(path)
+        self.lst.listen(4)
+        self.conns: list = []
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = self.lst.accept()
+                except OSError:
+                    return
+                self.conns.append(conn)
+                op, _status, rid, _body = protocol.recv_frame(conn)
+                if self.reply is not None:
+                    conn.sendall(protocol.pack(op, rid, self.reply))
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def close(self) -> None:
+        self.lst.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_verify_caps_the_listed_bad_entries_and_has_a_timeout(tmp_path):
+    """``tierkv verify`` lists at most ``--max-bad`` bad entries (the counts stay whole, the exit code
+    too), and ``--timeout`` bounds the wait for a scrub that does not answer."""
+    bad = [{"key": f"{i:064x}", "error": "checksum mismatch"} for i in range(250)]
+    fake = _FakeDaemon(str(tmp_path / "v.sock"), {"checked": 1000, "bad": bad, "dropped": 0})
+    runner = CliRunner()
+    try:
+        r = runner.invoke(admin_cli.verify, ["--socket", fake.path])
+        assert r.exit_code == 1, r.output
+        lines = r.output.splitlines()
+        assert sum(ln.startswith("bad: ") for ln in lines) == admin_cli.VERIFY_MAX_BAD == 100
+        assert "150 more bad entries not listed" in r.output
+        assert lines[-1] == "checked 1000 blocks: 250 bad, 0 dropped"
+        r = runner.invoke(admin_cli.verify, ["--socket", fake.path, "--max-bad", "0"])
+        assert sum(ln.startswith("bad: ") for ln in r.output.splitlines()) == 250 and "more bad" not in r.output
+        r = runner.invoke(admin_cli.verify, ["--socket", fake.path, "--json", "--max-bad", "7"])
+        report = json.loads(r.output)
+        assert r.exit_code == 1 and len(report["bad"]) == 7 and report["bad_count"] == report["remaining"] == 250
+    finally:
+        fake.close()
+    silent = _FakeDaemon(str(tmp_path / "s.sock"), None)
+    try:
+        t0 = time.monotonic()
+        r = runner.invoke(admin_cli.verify, ["--socket", silent.path, "--timeout", "0.5"])
+        assert r.exit_code == 2 and "no reply" in r.output and "within 0.5 s" in r.output, r.output
+        assert time.monotonic() - t0 < 5
+    finally:
+        silent.close()
 
 
 # ---- namespace changes across restarts -----------------------------------------------------------------

@@ -46,11 +46,19 @@ def _guarded(fn: Callable[[], None]) -> None:
 
 
 # ---- verify ---------------------------------------------------------------------------------------
+VERIFY_TIMEOUT_S = 600.0  # a scrub decodes every value: minutes on a large disk tier
+VERIFY_MAX_BAD = 100  # bad entries printed; the counts are always whole
+
+
 @click.command()
 @click.option("--drop", is_flag=True, help="Delete the bad entries (they are misses already).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--socket", help="Daemon socket path.")
-def verify(drop: bool, as_json: bool, socket: str | None) -> None:
+@click.option("--timeout", type=click.FloatRange(min=0), default=VERIFY_TIMEOUT_S, show_default=True,
+              help="Seconds to wait for the scrub (0 = no limit).")
+@click.option("--max-bad", type=click.IntRange(min=0), default=VERIFY_MAX_BAD, show_default=True,
+              help="List at most this many bad entries (0 = all); the counts cover every one.")
+def verify(drop: bool, as_json: bool, socket: str | None, timeout: float, max_bad: int) -> None:
     """Scrub the disk tier: check every block's header and checksum; report (and drop) bad entries.
 
     Exits 1 when bad entries remain (found and not dropped), 0 when the tier is clean.
@@ -58,14 +66,18 @@ def verify(drop: bool, as_json: bool, socket: str | None) -> None:
     def run() -> None:
         from .cli import _request
 
-        r = _request(socket, "VERIFY", {"drop": drop})
+        r = _request(socket, "VERIFY", {"drop": drop}, timeout=timeout or None)
         bad = list(r.get("bad", []))
         remaining = max(0, len(bad) - int(r.get("dropped", 0)))
+        shown = bad[:max_bad] if max_bad else bad
         if as_json:
-            click.echo(json.dumps({**r, "remaining": remaining}, sort_keys=True))
+            click.echo(json.dumps({**r, "bad": shown, "bad_count": len(bad), "remaining": remaining},
+                                  sort_keys=True))
         else:
-            for entry in bad:
+            for entry in shown:
                 click.echo(f"bad: {entry['key']}: {entry['error']}")
+            if len(shown) < len(bad):
+                click.echo(f"... {len(bad) - len(shown)} more bad entries not listed (--max-bad)")
             click.echo(f"checked {r['checked']} blocks: {len(bad)} bad, {r['dropped']} dropped")
         if remaining:
             sys.exit(1)
