@@ -245,3 +245,22 @@ def test_cuda_streams_and_pinned_registration_in_process():
         dev.close()
         host.close()
     assert os.environ.get("CUDA_VISIBLE_DEVICES", "0") != ""
+
+
+def test_copy_queue_merges_adjacent_slots_and_reports_sources_that_never_arrived():
+    from tierkv.streams import Copy, _runs, make_queue
+
+    src = torch.arange(200, dtype=torch.uint8)
+    dst = torch.zeros(200, dtype=torch.uint8)
+    copies = [Copy(src[0:10], dst[100:110]), Copy(src[10:20], dst[110:120]),   # one run
+              Copy(src[50:60], dst[0:10], ready=lambda: False),               # never arrived
+              Copy(src[60:70], dst[10:20]), Copy(src[80:90], dst[20:30])]     # not adjacent: two copies
+    assert [(s.numel(), len(m)) for s, _d, m in _runs(copies)] == [(20, 2), (10, 1), (10, 1)]
+    q = make_queue("standin", "test")
+    got: list[list[bool]] = []
+    q.submit(copies, lambda cs: got.append([c.ok for c in cs]))
+    _wait_for(lambda: bool(got))
+    q.close()
+    assert got == [[True, True, False, True, True]]
+    assert torch.equal(dst[100:120], src[0:20]) and torch.equal(dst[0:10], torch.zeros(10, dtype=torch.uint8))
+    assert torch.equal(dst[10:20], src[60:70]) and torch.equal(dst[20:30], src[80:90])

@@ -848,7 +848,7 @@ class BlockTable:
                 b.leases += 1  # the host slot is the copy's source: keep it until the copy is done
                 moving.append(b)
                 copies.append(Copy(_host_tensor(self.host.view(b.host_off, b.nbytes)), self.gpu.view(goff, b.nbytes),
-                                   ready=_ready(b, b.loading)))
+                                   ready=None if b.loading is None else _ready(b, b.loading)))
                 if lease:
                     b.gpu_leases += 1
                     leased.append(b)

@@ -287,7 +287,8 @@ def bench_gpu(tmp: Path, blocks: torch.Tensor) -> dict:
                 c.put(k, engine, tier="gpu")          # engine tensor -> GPU slots, then commit
                 got["d2d_store"].append(nbytes / (time.perf_counter() - t) / GB)
                 t = time.perf_counter()
-                wait_until(lambda: c.stats()["tiers"]["gpu"]["draining"] == 0, 120, 0.002)  # GPU -> pinned host
+                with c.acquire(k) as lease:  # a host lease waits for the drain: GPU -> pinned host slots
+                    assert lease.count == n
                 got["d2h_drain"].append(nbytes / (time.perf_counter() - t) / GB)
                 # make the GPU copies go away (another batch of the same size evicts them), then promote
                 c.put(keys(c, n, 900 + r), engine, tier="gpu")
