@@ -154,6 +154,7 @@ class BlockTable:
         self.gpu_policy = make_policy("lru")  # device slots are few and clean once drained: plain recency
         self._undrained: list[Block] = []     # GPU commits waiting for a host slot to drain into
         self._wb_job: Job | None = None       # the write-behind batch in flight
+        self._host_t = None                   # torch view of the whole host pool (GPU copies)
         self.written_behind = 0
         if cfg.gpu.capacity:
             from .tiers.gpu import DevicePool
@@ -446,7 +447,7 @@ class BlockTable:
             b.loading = threading.Event()
             b.load_failed = False
             b.gpu_leases += 1  # the GPU slot is the copy's source
-            copies.append(Copy(self.gpu.view(b.gpu_off, b.nbytes), _host_tensor(self.host.view(b.host_off, b.nbytes))))
+            copies.append(Copy(self.gpu.view(b.gpu_off, b.nbytes), self._host_tensor(b.host_off, b.nbytes)))
 
         def done(cs: list[Copy]) -> None:
             with self.lock:
@@ -847,7 +848,7 @@ class BlockTable:
                 b.gpu_off, b.gpu_loading = goff, threading.Event()
                 b.leases += 1  # the host slot is the copy's source: keep it until the copy is done
                 moving.append(b)
-                copies.append(Copy(_host_tensor(self.host.view(b.host_off, b.nbytes)), self.gpu.view(goff, b.nbytes),
+                copies.append(Copy(self._host_tensor(b.host_off, b.nbytes), self.gpu.view(goff, b.nbytes),
                                    ready=None if b.loading is None else _ready(b, b.loading)))
                 if lease:
                     b.gpu_leases += 1
@@ -1427,12 +1428,17 @@ def _tier_of(b: Block) -> str:
     if b.gpu_off is not None and b.gpu_loading is None:
         return "gpu"
     return "host" if b.host_off is not None else "disk"
+    def _host_tensor(self, offset: int, nbytes: int):
+        """A torch view of a host slot, sliced from one tensor over the whole pool: slots adjacent in
+        the pool are then adjacent in one storage, and the copy queues merge them into one copy."""
+        if self._host_t is None:
+            import torch
+
+            self._host_t = torch.from_numpy(self.host.array)
+        return self._host_t[offset:offset + nbytes]
 
 
-def _host_tensor(view: object) -> object:
-    import torch
 
-    return torch.from_numpy(view)
 
 
 def _ready(b: Block, ev: threading.Event | None):

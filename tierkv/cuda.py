@@ -64,12 +64,32 @@ def _cudart() -> ctypes.CDLL:
         for path in paths:
             try:
                 lib = ctypes.CDLL(path)
-                lib.cudaGetErrorString.restype = ctypes.c_char_p
+                _declare(lib)
                 _lib = lib
                 return lib
             except OSError:
                 continue
         raise CudaError("libcudart not found (tierkv's GPU tier needs torch's CUDA build)")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Argument types, so ctypes passes sizes as size_t and the IPC handle struct by value."""
+    vp, sz, u = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint
+    sigs = {
+        "cudaMalloc": [ctypes.POINTER(vp), sz],
+        "cudaFree": [vp],
+        "cudaIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), vp],
+        "cudaIpcOpenMemHandle": [ctypes.POINTER(vp), _IpcHandle, u],
+        "cudaIpcCloseMemHandle": [vp],
+        "cudaHostRegister": [vp, sz, u],
+        "cudaHostUnregister": [vp],
+        "cudaGetErrorString": [ctypes.c_int],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
 
 
 def _check(rc: int, what: str) -> None:

@@ -56,7 +56,8 @@ class ThreadQueue:
             copies, on_done = item
             for src, dst, members in _runs(copies):
                 try:
-                    with _gated(self._gate, src.numel()):
+                    _admit(self._gate, members)
+                    with _gated(self._gate, 0):
                         _cpu_copy(dst, src)
                     for c in members:
                         c.ok = True
@@ -106,7 +107,8 @@ class CudaQueue:
             with torch.cuda.stream(self.stream):
                 for src, dst, members in _runs(copies):
                     try:
-                        with _gated(self._gate, src.numel()):
+                        _admit(self._gate, members)
+                        with _gated(self._gate, 0):
                             dst.copy_(src, non_blocking=True)
                         for c in members:
                             c.ok = True
@@ -192,6 +194,15 @@ class _NullGate:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _admit(gate: Callable[[int], Any] | None, members: list[Copy]) -> None:
+    """Take a merged run's budget block by block: one request larger than a bucket's burst would pass at
+    once and leave the debt to whoever comes next."""
+    if gate is not None:
+        for c in members:
+            with gate(c.src.numel()):
+                pass
 
 
 def _gated(gate: Callable[[int], Any] | None, nbytes: int) -> Any:
