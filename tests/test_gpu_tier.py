@@ -264,3 +264,33 @@ def test_copy_queue_merges_adjacent_slots_and_reports_sources_that_never_arrived
     assert got == [[True, True, False, True, True]]
     assert torch.equal(dst[100:120], src[0:20]) and torch.equal(dst[0:10], torch.zeros(10, dtype=torch.uint8))
     assert torch.equal(dst[10:20], src[60:70]) and torch.equal(dst[20:30], src[80:90])
+
+
+def _paged_round_trip(c, device: str, tier: str | None) -> None:
+    L, H, T, D = 2, 2, 16, 32  # SMALL
+    g = torch.Generator().manual_seed(7)
+    k_cache = [torch.randn(10, T, H, D, generator=g).to(torch.bfloat16).to(device) for _ in range(L)]
+    v_cache = [torch.randn(10, T, H, D, generator=g).to(torch.bfloat16).to(device) for _ in range(L)]
+    keys = keys_for(c, 3, seed=8)
+    assert c.store_paged(keys, k_cache, v_cache, [7, 2, 5], tier=tier) == 3
+    assert c.lookup_tiers(keys) == ["gpu"] * 3
+    k2 = [torch.zeros_like(x) for x in k_cache]
+    v2 = [torch.zeros_like(x) for x in v_cache]
+    assert c.load_paged(keys, k2, v2, [0, 1, 9], tier=tier) == 3
+    for src, dst in ((7, 0), (2, 1), (5, 9)):
+        for layer in range(L):
+            assert torch.equal(k2[layer][dst], k_cache[layer][src])
+            assert torch.equal(v2[layer][dst], v_cache[layer][src])
+    assert c.stats()["leases"] == 0
+
+
+def test_paged_offload_through_gpu_slots_standin(gdaemon):
+    with gdaemon.client() as c:
+        _paged_round_trip(c, "cpu", "gpu")
+
+
+@pytest.mark.gpu
+def test_cuda_paged_offload_straight_into_gpu_slots(daemon_factory):
+    d = daemon_factory(["--gpu-capacity", "64MiB", "--gpu-device", "cuda"])
+    with d.client() as c:
+        _paged_round_trip(c, "cuda", None)  # CUDA caches pick the GPU tier by themselves
