@@ -1412,6 +1412,15 @@ class BlockTable:
             raise BadRequest("no namespace on this connection: send HELLO first")
         return s.ns
 
+    def _host_tensor(self, offset: int, nbytes: int):
+        """A torch view of a host slot, sliced from one tensor over the whole pool: slots adjacent in
+        the pool are then adjacent in one storage, and the copy queues merge them into one copy."""
+        if self._host_t is None:
+            import torch
+
+            self._host_t = torch.from_numpy(self.host.array)
+        return self._host_t[offset:offset + nbytes]
+
     def _tier(self, tier: object) -> str:
         """Check a tier name from the wire: "host", or "gpu" when the GPU tier is on."""
         if tier == "host":
@@ -1428,15 +1437,6 @@ def _tier_of(b: Block) -> str:
     if b.gpu_off is not None and b.gpu_loading is None:
         return "gpu"
     return "host" if b.host_off is not None else "disk"
-    def _host_tensor(self, offset: int, nbytes: int):
-        """A torch view of a host slot, sliced from one tensor over the whole pool: slots adjacent in
-        the pool are then adjacent in one storage, and the copy queues merge them into one copy."""
-        if self._host_t is None:
-            import torch
-
-            self._host_t = torch.from_numpy(self.host.array)
-        return self._host_t[offset:offset + nbytes]
-
 
 
 
