@@ -532,6 +532,22 @@ class BlockTable:
             out += ["remote"] * self.remote.prefix_len(s.fp, keys[len(out):])
         return out
 
+    def lookup_count(self, s: Session, keys: list[bytes]) -> int:
+        """``len(self.lookup(s, keys))`` without naming the tiers: the scheduler's hot path, one C-level
+        walk of the table (about half the cost of :meth:`lookup` for 64 keys)."""
+        self._ns(s)
+        fp = s.fp
+        fks = [fp + k for k in keys]
+        with self.lock:
+            found = list(map(self.blocks.get, fks))
+        try:
+            n = found.index(None)  # Block compares by identity: a C-level scan
+        except ValueError:
+            return len(found)  # every key is cached locally
+        if self.remote is not None:
+            n += self.remote.prefix_len(fp, keys[n:])  # outside the lock, as in lookup
+        return n
+
     def acquire(self, s: Session, keys: list[bytes], tier: str = "host") -> tuple[int, list[int], list[str]]:
         """Lease the longest cached prefix in host memory (or GPU memory), promoting as needed.
 

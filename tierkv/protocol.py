@@ -15,6 +15,7 @@ import enum
 import mmap
 import socket
 import struct
+import threading
 from typing import Any
 
 import msgpack
@@ -58,9 +59,21 @@ class Op(enum.IntEnum):
     RECOMPUTE = 23
 
 
+_local = threading.local()
+
+
 def pack(op: int, rid: int, body: Any, status: int = STATUS_OK) -> bytes:
-    """Encode one frame."""
-    payload = msgpack.packb(body, use_bin_type=True)
+    """Encode one frame (header and body in one buffer: one ``sendall``, one syscall for small frames)."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:  # one Packer per thread: ``packb`` would set up a new one (and its buffer) per call
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    try:
+        payload = packer.pack(body)
+    except BaseException:
+        _local.packer = None  # a failed pack may leave a partial body in its buffer
+        raise
+    if len(payload) > 1 << 16:
+        _local.packer = None  # its buffer grew to this size: do not keep it per thread
     return HEADER.pack(MAGIC, VERSION, 0, op, status, rid & 0xFFFFFFFF, len(payload)) + payload
 
 
@@ -112,51 +125,67 @@ def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> tuple
 
 
 class FrameReader:
-    """Buffered frame reader: one ``recv`` usually brings a whole small frame (header and body)."""
+    """Buffered frame reader: one ``recv_into`` a fixed buffer usually brings a whole small frame (header
+    and body); nothing is allocated per frame but the decoded body."""
 
     def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, bufsize: int = 1 << 16) -> None:
         self.sock = sock
         self.max_frame = max_frame
-        self.buf = bytearray()
         self.bufsize = bufsize
+        self._buf = bytearray(bufsize)
+        self._view = memoryview(self._buf)
+        self._start = 0  # unread bytes are _buf[_start:_end]
+        self._end = 0
 
     def _fill(self, n: int) -> None:
-        while len(self.buf) < n:
-            chunk = self.sock.recv(max(self.bufsize, n - len(self.buf)))
-            if not chunk:
+        """Have at least ``n`` (<= bufsize) unread bytes in the buffer."""
+        if self._start + n > self.bufsize:  # not enough room after the unread bytes: move them to the front
+            have = self._end - self._start
+            self._buf[:have] = self._view[self._start:self._end]
+            self._start, self._end = 0, have
+        while self._end - self._start < n:
+            k = self.sock.recv_into(self._view[self._end:])
+            if k == 0:
                 raise ConnectionError("peer closed the connection")
-            self.buf += chunk
+            self._end += k
 
     def read(self) -> tuple[int, int, int, Any]:
         """Read one frame; return (opcode, status, request id, body)."""
-        self._fill(HEADER_BYTES)
-        op, status, rid, length = parse_header(bytes(self.buf[:HEADER_BYTES]), self.max_frame)
-        end = HEADER_BYTES + length  # safe: length was checked against the cap above
-        if len(self.buf) < end and length > self.bufsize:
+        if self._end - self._start < HEADER_BYTES:
+            self._fill(HEADER_BYTES)
+        magic, version, _flags, op, status, rid, length = HEADER.unpack_from(self._buf, self._start)
+        if magic != MAGIC or version != VERSION or length > self.max_frame:
+            parse_header(bytes(self._view[self._start:self._start + HEADER_BYTES]), self.max_frame)  # raises
+        start = self._start + HEADER_BYTES
+        if length > self.bufsize - HEADER_BYTES:
             # A large body goes into an anonymous mapping of its size: pages are touched only as bytes
             # arrive (a truncated frame costs what was sent, not what it claimed) and go back to the OS
             # afterwards (malloc would keep them: the daemon runs with a 256 MiB trim threshold).
             with mmap.mmap(-1, length) as area, memoryview(area) as view:
-                have = len(self.buf) - HEADER_BYTES
-                view[:have] = self.buf[HEADER_BYTES:]
-                self.buf = bytearray()
+                have = self._end - start  # < length: the buffer cannot hold this body, so all it holds is body
+                view[:have] = self._view[start:self._end]
+                self._start = self._end = 0
                 while have < length:
                     k = self.sock.recv_into(view[have:], length - have)
                     if k == 0:
                         raise ConnectionError("peer closed the connection")
                     have += k
                 return op, status, rid, unpack_body(view, self.max_frame)
-        self._fill(end)
-        body = None
-        if length:
-            with memoryview(self.buf) as view:
-                part = view[HEADER_BYTES:end]
-                try:
-                    body = unpack_body(part, self.max_frame)
-                finally:
-                    part.release()
-        del self.buf[:end]
-        return op, status, rid, body
+        end = start + length  # safe: length was checked against the cap above
+        if end > self._end:
+            self._fill(HEADER_BYTES + length)
+            start = self._start + HEADER_BYTES
+            end = start + length
+        self._start = end
+        if end == self._end:
+            self._start = self._end = 0
+        if not length:
+            return op, status, rid, None
+        part = self._view[start:end]
+        try:
+            return op, status, rid, unpack_body(part, self.max_frame)
+        finally:
+            part.release()
 
 
 def recv_frame_with_fds(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME,

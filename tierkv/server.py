@@ -68,6 +68,9 @@ class Server:
         self._signals = 0
         self.started = time.time()
         self.requests = 0
+        # opcode -> (Op, bound handler), built once: no enum or attribute lookups per request
+        self._handlers = {int(o): (o, getattr(self, f"_op_{o.name.lower()}"))
+                          for o in Op if hasattr(self, f"_op_{o.name.lower()}")}
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -212,17 +215,21 @@ class Server:
     def _dispatch(self, conn: socket.socket, s: Session, op: int, rid: int, body: Any) -> None:
         self.requests += 1
         try:
-            try:
-                op = Op(op)
-            except ValueError:
-                raise BadRequest(f"unknown opcode {op}") from None
-            handler = getattr(self, f"_op_{op.name.lower()}", None)
-            if handler is None:  # a number the protocol reserves but this daemon does not serve
-                raise BadRequest(f"opcode {op.name} is not supported by this daemon")
-            if body is not None and not isinstance(body, dict):
+            entry = self._handlers.get(op)
+            if entry is None:
+                try:
+                    name = Op(op).name
+                except ValueError:
+                    raise BadRequest(f"unknown opcode {op}") from None
+                # a number the protocol reserves but this daemon does not serve
+                raise BadRequest(f"opcode {name} is not supported by this daemon")
+            op, handler = entry
+            if body is None:
+                body = {}
+            elif type(body) is not dict:
                 raise BadRequest("request body must be a map")
             s.rid = rid
-            result = handler(conn, s, body or {})
+            result = handler(conn, s, body)
         except TierKVError as exc:
             self._send_error(conn, op, rid, exc)
             return
@@ -287,8 +294,11 @@ class Server:
 
     def _op_lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
-        tiers = self.table.lookup(s, validate_keys(body.get("keys")))
-        return {"count": len(tiers), "tiers": tiers} if body.get("tiers") else {"count": len(tiers)}
+        keys = validate_keys(body.get("keys"))
+        if not body.get("tiers"):
+            return {"count": self.table.lookup_count(s, keys)}
+        tiers = self.table.lookup(s, keys)
+        return {"count": len(tiers), "tiers": tiers}
 
     def _op_acquire(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
