@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
+import mmap
 import os
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +22,8 @@ import lmdb
 import numpy as np
 
 from ..errors import PermissionDenied, TierFull, TierKVError
+
+log = logging.getLogger("tierkv.disk")
 
 PAGE = 4096
 # LMDB needs room beyond the payload bytes (branch pages, free-list, copy-on-write of the last txn).
@@ -77,10 +82,29 @@ class DiskTier:
         self.fault: Callable[[str], None] | None = None  # test shim: raise OSError(EIO) on "read"/"write"
 
     def scan(self) -> Iterator[tuple[bytes, memoryview]]:
-        """Every (key, value) pair; values are only valid during iteration."""
+        """Every (key, value) pair of one snapshot; values are only valid during iteration.
+
+        Values are slices of a private read-only mapping of the data file (MADV_RANDOM), located by
+        walking LMDB's B-tree pages (:func:`_walk_lmdb`): reading a value's header reads only the page
+        it starts on. py-lmdb's own cursors touch every page of every value they return (its
+        ``preload``), so a scan through them read the whole file at every start and left it all in the
+        page cache (measured: a 512 MiB tier 100% resident after the start-up scan). If the walk meets
+        anything it does not expect, the scan falls back to py-lmdb's cursor.
+        """
         with self.env.begin(buffers=True) as txn:
-            for key, value in txn.cursor():
-                yield bytes(key), value
+            walked = None
+            try:
+                walked = _walk_lmdb(self.path / "data.mdb", txn.id())
+            except (OSError, ValueError, struct.error) as exc:
+                log.warning("disk scan: page walk failed (%s); reading values through LMDB", exc)
+            if walked is None:
+                for key, value in txn.cursor():
+                    yield bytes(key), value
+                return
+            area, items = walked
+            whole = memoryview(area)
+            for key, off, size in items:
+                yield key, whole[off:off + size]
 
     def write(self, puts: list[tuple[bytes, Any]], deletes: list[bytes] = ()) -> None:
         """Delete then put in one transaction, committed (and synced) before returning.
@@ -184,6 +208,103 @@ class DiskTier:
         except lmdb.Error:
             pass
         self.env.close()
+
+
+# LMDB 0.9 on-disk format (mdb.c), 64-bit little-endian: a page starts with pgno u64, pad u16, flags u16,
+# lower u16, upper u16 (an overflow page: page count u32 instead of lower/upper), then u16 node offsets.
+# A node: size (or child pgno) low u32, flags u16 (a branch: child pgno bits 32-47), key size u16, key,
+# data. Meta pages 0 and 1 hold magic, version, address, map size, the free and main DB records (48 B:
+# pad u32 = page size for the free DB, flags u16, depth u16, branch/leaf/overflow pages, entries, root)
+# and the last page number and transaction id.
+_PAGE_HDR = struct.Struct("<QHHHH")
+_NODE_HDR = struct.Struct("<IHH")
+_META = struct.Struct("<II8x8x" + "IHH5Q" * 2 + "QQ")
+_MDB_MAGIC, _MDB_VERSION = 0xBEEFC0DE, 1
+_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_LEAF2 = 0x01, 0x02, 0x04, 0x20
+_F_BIGDATA = 0x01
+_P_INVALID = (1 << 64) - 1
+_DUPSORT = 0x04
+
+
+def _walk_lmdb(path: Path, txnid: int) -> tuple[mmap.mmap, list[tuple[bytes, int, int]]] | None:
+    """Find every (key, value offset, value size) of the snapshot ``txnid`` in an LMDB data file by
+    reading its B-tree pages through a read-only MADV_RANDOM mapping, without touching value pages.
+
+    Every page is checked (its number, its kind, bounds; an overflow page must hold its value) and the
+    entry count must equal the snapshot's. Returns None for an empty file; raises ValueError on anything
+    unexpected (the caller then reads through LMDB). The caller holds a read transaction of ``txnid``,
+    so no page of this snapshot is reused meanwhile.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size < 2 * PAGE:
+            return None
+        area = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    area.madvise(mmap.MADV_RANDOM)
+    metas = []
+    for pg in (0, 1):
+        off = pg * PAGE
+        (magic, version, psize, free_flags, _fd, _fb, _fl, _fo, _fe, _fr, _pad, flags, depth, _b, _l, _o, entries,
+         root, _last, mtxn) = _META.unpack_from(area, off + _PAGE_HDR.size)
+        if magic == _MDB_MAGIC and version == _MDB_VERSION:
+            metas.append((mtxn, psize, flags, entries, root))
+    meta = [m for m in metas if m[0] == txnid]
+    if not meta:
+        raise ValueError(f"no meta page of transaction {txnid}")
+    _txn, psize, flags, entries, root = meta[0]
+    if psize != PAGE or flags & _DUPSORT:
+        raise ValueError(f"unexpected page size {psize} or DB flags {flags:#x}")
+    items: list[tuple[bytes, int, int]] = []
+    if root == _P_INVALID:
+        if entries:
+            raise ValueError("empty tree with entries")
+        return area, items
+    npages = size // PAGE
+    stack = [root]
+    while stack:
+        pgno = stack.pop()
+        if not 2 <= pgno < npages:
+            raise ValueError(f"page {pgno} outside the file")
+        base = pgno * PAGE
+        got, _pad, pflags, lower, upper = _PAGE_HDR.unpack_from(area, base)
+        if got != pgno or pflags & _P_LEAF2 or not pflags & (_P_BRANCH | _P_LEAF) or not (
+                _PAGE_HDR.size <= lower <= upper <= PAGE):
+            raise ValueError(f"page {pgno}: not a branch or leaf page")
+        ptrs = struct.unpack_from(f"<{(lower - _PAGE_HDR.size) // 2}H", area, base + _PAGE_HDR.size)
+        if pflags & _P_BRANCH:
+            children = []
+            for ptr in ptrs:
+                lo, nflags, _ksize = _NODE_HDR.unpack_from(area, base + ptr)
+                children.append(lo | nflags << 32)
+            stack.extend(reversed(children))  # depth first, in key order
+            continue
+        for ptr in ptrs:
+            if not upper <= ptr <= PAGE - _NODE_HDR.size:
+                raise ValueError(f"page {pgno}: node offset {ptr} out of bounds")
+            dsize, nflags, ksize = _NODE_HDR.unpack_from(area, base + ptr)
+            kstart = base + ptr + _NODE_HDR.size
+            key = area[kstart:kstart + ksize]
+            if nflags & _F_BIGDATA:
+                (opg,) = struct.unpack_from("<Q", area, kstart + ksize)
+                if not 2 <= opg < npages:
+                    raise ValueError(f"overflow page {opg} outside the file")
+                got, _pad, oflags, opages = struct.unpack_from("<QHHI", area, opg * PAGE)
+                if got != opg or not oflags & _P_OVERFLOW or opages * PAGE < _PAGE_HDR.size + dsize or (
+                        opg + opages > npages):
+                    raise ValueError(f"page {opg}: not an overflow page holding {dsize} B")
+                items.append((key, opg * PAGE + _PAGE_HDR.size, dsize))
+            elif nflags:
+                raise ValueError(f"page {pgno}: unexpected node flags {nflags:#x}")
+            else:
+                if kstart + ksize + dsize > base + PAGE:
+                    raise ValueError(f"page {pgno}: inline value out of bounds")
+                items.append((key, kstart + ksize, dsize))
+    if len(items) != entries:
+        raise ValueError(f"walked {len(items)} entries, the snapshot has {entries}")
+    return area, items
 
 
 def _private_env_dir(path: Path) -> None:
