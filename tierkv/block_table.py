@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .codecs import CodecError, read_header
 from .config import Config
 from .costmodel import Run
-from .errors import BadRequest, TierFull
+from .errors import BadRequest, TierFull, TierKVError
 from .keys import FINGERPRINT_BYTES, MAX_KEY_BYTES, Namespace
 from .policy import History, make_policy, policy_class
 from .stats import TierCounters
@@ -197,11 +197,33 @@ class BlockTable:
             fp = lk[:FINGERPRINT_BYTES]
             self.ns_blocks[fp] = self.ns_blocks.get(fp, 0) + 1  # _forget counts it down again
             self._disk_added(b)
+        # The scan reads headers through its own page walk; a value is dropped only if LMDB's own read
+        # agrees that it is bad (a walk that went wrong must never cost stored blocks).
+        bad = [lk for lk in bad if not self._header_ok_via_lmdb(lk)]
         if bad:
             self.disk.delete(bad)
             self.disk_stats.corrupt += len(bad)
         log.info("disk tier: %d blocks (%d dropped as corrupt) scanned in %.2fs", len(self.blocks), len(bad),
                  time.perf_counter() - t0)
+
+    def _header_ok_via_lmdb(self, lk: bytes) -> bool:
+        """Re-check a value the start-up scan found bad, read through LMDB; a good one is recorded."""
+        assert self.disk is not None
+
+        def check(value: memoryview) -> int:
+            h = read_header(value)
+            if len(lk) <= FINGERPRINT_BYTES or bytes(h.fingerprint) != lk[:FINGERPRINT_BYTES]:
+                raise CodecError("namespace fingerprint differs from the key's")
+            b = Block(lk, h.raw_len, on_disk=True, disk_bytes=len(value))
+            self.blocks[lk] = b
+            self.ns_blocks[lk[:FINGERPRINT_BYTES]] = self.ns_blocks.get(lk[:FINGERPRINT_BYTES], 0) + 1
+            self._disk_added(b)
+            return 1
+
+        try:
+            return bool(self.disk.read(lk, check))
+        except (CodecError, TierKVError):
+            return False
 
     # ---- namespaces and sessions ------------------------------------------------------------------
     def register(self, session: Session, ns: Namespace) -> None:
