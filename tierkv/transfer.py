@@ -164,6 +164,9 @@ class TransferEngine:
                 m.ok = b is not None
                 m.stored_bytes = len(b) if b is not None else 0
             self.link_bytes["host->disk"] += sum(m.view.nbytes for m in moves if m.ok)
+        # Each commit synced its data; one sync now makes the job's last commit durable before the job
+        # is done (durable puts are acknowledged then), instead of a second sync in every commit.
+        self.disk.flush()
 
     def _encode_one(self, m: Move) -> bytes | None:
         try:
