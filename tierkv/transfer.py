@@ -29,6 +29,7 @@ from .streams import Copy
 from .tiers.disk import DiskError, DiskTier
 
 log = logging.getLogger("tierkv.transfer")
+LOAD_THREADS = 4  # at least this many disk -> host loads in flight (see TransferEngine.__init__)
 
 
 @dataclass(slots=True)
@@ -79,7 +80,10 @@ class TransferEngine:
         self._orphans: list[bytes] = []  # evicted by the table, still in LMDB (their delete failed)
         self._ids = itertools.count(1)
         self._encode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-encode")
-        self._decode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-decode")
+        # A load mostly waits on the device (an O_DIRECT read, GIL released), then decodes: more loads in
+        # flight than cores keep the disk busy while others decode (measured, cold lossless loads on 2
+        # cores: 1.3 GB/s with 2 threads, 1.6 with 4, 1.8 with 8).
+        self._decode = ThreadPoolExecutor(max(workers, LOAD_THREADS), thread_name_prefix="tierkv-decode")
         # one writer keeps remote write-through in commit order and off the load path
         self._remote_writer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-remote-writer")
         self._stores: queue.Queue[Job | None] = queue.Queue()
