@@ -7,7 +7,7 @@
 (c) dd oflag=direct / iflag=direct sequential write/read of the data dir's disk, once up front and once
     right before each disk-tier write and cold read (the virtual disk's speed drifts by 2x within
     minutes, so the targets are judged on those pairs); LMDB alone with the daemon's write pattern; the
-    encoder alone on 1 thread and on the encode pool's threads; and from their CPU costs the CPU
+    encoder and the decoder alone on 1 thread and on the pools' threads; and from their CPU costs the CPU
     ceiling of a durable write on this machine's cores;
 (d) disk-tier write (durable puts: encoded, written, fsynced) and read by a restarted daemon, warm (the
     page cache holds what the writes left) and cold (the file's pages dropped before and after the
@@ -209,29 +209,37 @@ def lmdb_ref(tmp: Path, reps: int) -> dict:
 
 
 def encoder_ref(blocks: torch.Tensor, codecs: list[str]) -> dict:
-    """The disk writer's encoder alone: ``encode_block`` of the 256 blocks on 1 thread and on as many
-    threads as the daemon's encode pool (``disk.workers``), in logical GB/s, and its CPU seconds per GB.
-    The pool shares the machine's cores with the LMDB writer and the client."""
+    """The disk writer's encoder and the loader's decoder alone: ``encode_block`` / ``decode_block`` of the
+    256 blocks on 1 thread and on as many threads as the daemon's pools (``disk.workers``), in logical
+    GB/s, with their CPU seconds per GB. The pools share the machine's cores with the LMDB writer, the
+    reads and the client."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tierkv.codecs import encode_block
+    from tierkv.codecs import decode_block, encode_block
     from tierkv.config import DiskConfig
 
     workers = DiskConfig().workers
     fp, u8 = b"\0" * 16, blocks.view(torch.uint8).reshape(N, -1).numpy()
+    dst = np.zeros_like(u8)
     out = {}
     for codec in codecs:
-        for threads in sorted({1, workers}):
-            rates, cpu = [], []
-            with ThreadPoolExecutor(threads) as pool:
-                for _ in range(3):
-                    c0, t = time.process_time(), time.perf_counter()
-                    list(pool.map(lambda i, c=codec: encode_block(u8[i], layout=LLAMA, fingerprint=fp,
-                                                                   key=b"k%d" % i, codec=c), range(N)))
-                    rates.append(u8.nbytes / (time.perf_counter() - t) / GB)
-                    cpu.append((time.process_time() - c0) / (u8.nbytes / GB))
-            out[f"{codec}, {threads} thread{'s' if threads > 1 else ''}"] = dict(best_median(rates),
-                                                                             cpu_s_per_gb=min(cpu))
+        blobs = [encode_block(u8[i], layout=LLAMA, fingerprint=fp, key=b"k%d" % i, codec=codec) for i in range(N)]
+        jobs = {"encoder": lambda i, c=codec: encode_block(u8[i], layout=LLAMA, fingerprint=fp, key=b"k%d" % i,
+                                                           codec=c),
+                "decoder": lambda i, b=blobs: decode_block(b[i], layout=LLAMA, fingerprint=fp, key=b"k%d" % i,
+                                                           out=dst[i])}
+        for what, job in jobs.items():
+            for threads in sorted({1, workers}):
+                rates, cpu = [], []
+                with ThreadPoolExecutor(threads) as pool:
+                    for _ in range(3):
+                        c0, t = time.process_time(), time.perf_counter()
+                        list(pool.map(job, range(N)))
+                        rates.append(u8.nbytes / (time.perf_counter() - t) / GB)
+                        cpu.append((time.process_time() - c0) / (u8.nbytes / GB))
+                out[f"{what} alone, {codec}, {threads} thread{'s' if threads > 1 else ''}"] = dict(
+                    best_median(rates), cpu_s_per_gb=min(cpu))
+        assert np.array_equal(dst, u8)
     return out
 
 
@@ -555,7 +563,7 @@ def main() -> None:
             res["cores"] = os.cpu_count()
             for d in res["disk"]:
                 # CPU seconds one logical GB costs the daemon: encoding it, then LMDB writing what it became.
-                enc = res["encoder"][f"{d['codec']}, 1 thread"]["cpu_s_per_gb"]
+                enc = res["encoder"][f"encoder alone, {d['codec']}, 1 thread"]["cpu_s_per_gb"]
                 d["cpu_ceiling"] = res["cores"] / (enc + res["lmdb"]["cpu_s_per_gb"] / d["ratio"])
             print("disk done", flush=True)
         if "lookup" in parts:
@@ -582,7 +590,7 @@ def report(r: dict) -> None:
                  ("dd iflag=direct read (reference)", r["dd"]["read"], ddr, None),
                  ("LMDB alone: durable put+commit, raw 2 MiB", r["lmdb"]["write"], ddw, None)]
         for name, m in r.get("encoder", {}).items():
-            rows.append((f"encoder alone, {name}", m, ddw, None))
+            rows.append((name, m, ddr if name.startswith("decoder") else ddw, None))
         for d in r["disk"]:
             rows.append((f"CPU ceiling, {d['codec']}: encode + LMDB on {r['cores']} cores",
                          {"best": d["cpu_ceiling"], "median": d["cpu_ceiling"]}, ddw, None))
