@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tierkv  # noqa: E402
+from tierkv.transfer import LOAD_THREADS  # noqa: E402
 
 LLAMA = tierkv.Layout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16, dtype="bfloat16")
 N = 256
@@ -272,7 +274,7 @@ def disk_bench(tmp: Path, blocks: torch.Tensor, reps: int, codec: str) -> dict:
     sock = str(tmp / f"d-{codec}.sock")
     mdb = data / "disk" / "data.mdb"
     args = ["--host-capacity", "1280MiB", "--disk-capacity", "8GiB", "--codec", codec]
-    writes, fills, cold, warm, residency, dd_write, dd_read = [], [], [], [], [], [], []
+    writes, fills, cold, warm, residency, dd_write, dd_read, direct = [], [], [], [], [], [], [], []
     ddf = tmp / f"dd-{codec}.bin"
     ratio = None
     rng = np.random.default_rng(2)
@@ -311,6 +313,7 @@ def disk_bench(tmp: Path, blocks: torch.Tensor, reps: int, codec: str) -> dict:
             c.delete(keys)  # leave nothing in host: the next daemon reads only from disk
             c.put(keys, blocks, durable=True)
             stored = c.stats()["tiers"]["disk"]["bytes_stored"]
+            fp = c.fingerprint
         d.stop()
         d = Daemon(data, sock, args).start()  # the page cache holds what the writes left: a warm read
         before_warm = resident_bytes(mdb)
@@ -323,6 +326,11 @@ def disk_bench(tmp: Path, blocks: torch.Tensor, reps: int, codec: str) -> dict:
         before_cold = resident_bytes(mdb)
         dd_read.append(dd(ddf, "read"))  # the reference, right before
         cold.append(read_all(keys))
+        d.stop()
+        # The same device reads without the tier, right after: each value with one O_DIRECT read, as many
+        # in flight as the daemon's loads, 64 values a batch; no decode, no client.
+        direct.append(value_reads(mdb, [fp + k for k in keys], LOAD_THREADS))
+        d = Daemon(data, sock, args).start()
         with tierkv.Client.connect(sock, model="bench", layout=LLAMA) as c:
             c.delete(keys)
         d.stop()
@@ -331,7 +339,7 @@ def disk_bench(tmp: Path, blocks: torch.Tensor, reps: int, codec: str) -> dict:
     ddf.unlink()
     mib = 2 ** 20
     return {"codec": codec, "ratio": ratio, "write": best_median(writes), "first_fill": best_median(fills),
-            "dd_write": best_median(dd_write), "dd_read": best_median(dd_read),
+            "dd_write": best_median(dd_write), "dd_read": best_median(dd_read), "value_reads": best_median(direct),
             "write_vs_dd": statistics.median(w / r for w, r in zip(writes, dd_write)),
             "read_cold_vs_dd": statistics.median(c / r for c, r in zip(cold, dd_read)),
             "read_cold": best_median(cold), "read_warm": best_median(warm), "residency": residency,
@@ -340,6 +348,51 @@ def disk_bench(tmp: Path, blocks: torch.Tensor, reps: int, codec: str) -> dict:
                                             max(r["after_scan"] for r in residency) / mib),
             "warm_source": "{:.0f} of {:.0f} MiB in the page cache before the read".format(
                 min(r["before_warm"] for r in residency) / mib, stored / mib)}
+
+
+def value_reads(mdb: Path, fks: list[bytes], threads: int) -> float:
+    """Logical GB/s of reading the values of ``fks`` from the device as the daemon's loads do (one
+    O_DIRECT read of each value's pages, ``threads`` in flight, 64 values a batch), with no tierkv code on
+    the path: the values are found with the disk tier's page map on the closed file."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierkv.tiers.disk import _META, _PAGE_HDR, PAGE, _PageMap
+
+    with open(mdb, "rb") as f:
+        head = f.read(2 * PAGE)
+    txnid = max(_META.unpack_from(head, pg * PAGE + _PAGE_HDR.size)[-1] for pg in (0, 1))
+    view, items = _PageMap(mdb).walk(txnid)
+    where = {k: (off, size) for k, off, size in items}
+    spans = []
+    for fk in fks:
+        off, size = where[fk]
+        start = off & ~(PAGE - 1)
+        spans.append((start, (off + size - start + PAGE - 1) & ~(PAGE - 1)))
+    del view, items
+    _drop_cache(mdb)
+    fd = os.open(mdb, os.O_RDONLY | os.O_DIRECT)
+    bufs = [mmap.mmap(-1, max(n for _, n in spans)) for _ in range(threads)]
+    free = list(range(threads))
+    lock = threading.Lock()
+
+    def read(span: tuple[int, int]) -> None:
+        with lock:
+            i = free.pop()
+        try:
+            os.preadv(fd, [memoryview(bufs[i])[:span[1]]], span[0])
+        finally:
+            with lock:
+                free.append(i)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            t = time.perf_counter()
+            for i in range(0, len(spans), 64):
+                list(pool.map(read, spans[i:i + 64]))
+            return len(fks) * LLAMA.block_bytes / (time.perf_counter() - t) / GB
+    finally:
+        os.close(fd)
 
 
 def _drop_cache(path: Path) -> None:
@@ -602,6 +655,8 @@ def report(r: dict) -> None:
                      (f"disk write durable, steady, {d['codec']} ({d['ratio']:.2f}x)", d["write"],
                       d["write"]["best"] / d["write_vs_dd"], 1.0),
                      (f"  dd read right before each cold read, {d['codec']}", d["dd_read"], ddr, None),
+                     (f"  the same reads alone (O_DIRECT, {LOAD_THREADS} in flight), {d['codec']}", d["value_reads"],
+                      ddr, None),
                      (f"disk read cold (from the device), {d['codec']}", d["read_cold"],
                       d["read_cold"]["best"] / d["read_cold_vs_dd"], 1.0),
                      (f"disk read warm (page cache), {d['codec']}", d["read_warm"], ddr, None)]
