@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,6 +129,7 @@ def daemon_factory(tmp_path: Path):
     yield make
     for d in made:
         d.stop()
+        shutil.rmtree(d.sockdir, ignore_errors=True)
 
 
 @pytest.fixture
