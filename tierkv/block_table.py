@@ -23,6 +23,8 @@ from .config import Config
 from .costmodel import Run
 from .errors import BadRequest, TierFull, TierKVError
 from .keys import FINGERPRINT_BYTES, MAX_KEY_BYTES, Namespace
+from .lookup_index import IndexedBlocks, LookupIndex
+from .lookup_index import available as lookup_index_available
 from .policy import History, make_policy, policy_class
 from .stats import TierCounters
 from .streams import Copy
@@ -115,7 +117,12 @@ class BlockTable:
         self.cfg = cfg
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
+        # Every key of a local tier, mirrored into the shared lookup index clients read (when built).
+        self.index: LookupIndex | None = None
         self.blocks: dict[bytes, Block] = {}
+        if cfg.server.lookup_index_slots and lookup_index_available():
+            self.index = LookupIndex(1 << (cfg.server.lookup_index_slots - 1).bit_length())
+            self.blocks = IndexedBlocks(self.index)
         self.namespaces: dict[bytes, Namespace] = {}
         self.ns_blocks: dict[bytes, int] = {}
         self._ns_sessions: dict[bytes, int] = {}  # connections bound to each namespace
@@ -1433,6 +1440,8 @@ class BlockTable:
             self.disk.close()
         if self.gpu is not None:
             self.gpu.close()
+        if self.index is not None:
+            self.index.close()
         self.host.close()
 
     def _make_policy(self, name: str, cfg: Config):

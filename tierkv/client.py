@@ -23,6 +23,8 @@ from .config import default_socket
 from .errors import BadRequest, ConnectionFailed, KeyMissing, TierKVError, error_from_code
 from .keys import Namespace, chain_keys
 from .layout import Layout, numpy_view_dtype
+from .lookup_index import ClientIndex
+from .lookup_index import available as lookup_index_available
 from .protocol import Op
 
 try:  # streaming-store copy (native/ntcopy.c): ~2x numpy for 2 MiB slots on machines like ours
@@ -114,8 +116,10 @@ class Client:
     """A connection to the tierkv daemon for one model namespace. Thread-safe (calls are serialised)."""
 
     def __init__(self, sock: socket.socket, ns: Namespace, pool_fd: int, pool_bytes: int, fingerprint: bytes,
-                 socket_path: str, populate: bool = True, gpu: dict | None = None, gpu_fd: int | None = None) -> None:
+                 socket_path: str, populate: bool = True, gpu: dict | None = None, gpu_fd: int | None = None,
+                 index: dict | None = None, index_fd: int | None = None, use_index: bool = True) -> None:
         self._sock = sock
+        self._index: ClientIndex | None = None
         self.namespace = ns
         self.layout = ns.layout
         self.fingerprint = fingerprint
@@ -136,6 +140,11 @@ class Client:
             self._gpu = ClientDevicePool(gpu, gpu_fd)
         elif gpu_fd is not None:
             os.close(gpu_fd)
+        if index_fd is not None:
+            if use_index and lookup_index_available():
+                self._index = ClientIndex(index_fd, bool((index or {}).get("remote")))
+            else:  # not wanted, or installed without the extension: lookups go through the socket
+                os.close(index_fd)
         self._tickets: dict[int, str] = {}  # fetch tickets -> the tier their lease will be in
         self._reader = protocol.FrameReader(sock)
         self._closed = False
@@ -143,7 +152,7 @@ class Client:
     # ---- connection -------------------------------------------------------------------------------
     @classmethod
     def connect(cls, socket: str | os.PathLike | None = None, *, model: str, layout: Layout, tp_rank: int = 0,
-                tp_size: int = 1, timeout: float = 10.0, populate: bool = True) -> Client:
+                tp_size: int = 1, timeout: float = 10.0, populate: bool = True, lookup_index: bool = True) -> Client:
         """Connect to the daemon and register the namespace.
 
         Args:
@@ -154,6 +163,8 @@ class Client:
             tp_size: tensor-parallel world size.
             timeout: seconds to wait for the connection.
             populate: map every page of the pool at connect (no page faults later).
+            lookup_index: answer :meth:`lookup` from the daemon's shared lookup index (False: always ask
+                the daemon through the socket).
 
         Raises:
             ConnectionFailed: no daemon answers at that path.
@@ -185,15 +196,17 @@ class Client:
             s.close()
             raise error_from_code(body.get("code", ""), body.get("message", "hello refused"))
         gpu = body.get("gpu")
-        want = 2 if gpu is not None and gpu.get("kind") == "standin" else 1
-        if len(fds) != want:
+        index = body.get("lookup_index")
+        standin = gpu is not None and gpu.get("kind") == "standin"
+        if len(fds) != 1 + standin + (index is not None):
             for fd in fds:
                 os.close(fd)
             s.close()
             raise ConnectionFailed("daemon did not pass its shared-memory pools")
         try:
             return cls(s, ns, fds[0], int(body["pool_bytes"]), bytes(body["fingerprint"]), path, populate,
-                       gpu=gpu, gpu_fd=fds[1] if want == 2 else None)
+                       gpu=gpu, gpu_fd=fds[1] if standin else None, index=index,
+                       index_fd=fds[-1] if index is not None else None, use_index=lookup_index)
         except Exception as exc:
             s.close()
             raise ConnectionFailed(f"cannot map tierkv's memory pools: {exc}") from None
@@ -213,6 +226,8 @@ class Client:
                 pass  # a view is still alive; the mapping goes with the last reference
             if self._gpu is not None:
                 self._gpu.close()
+            if self._index is not None:
+                self._index.close()
 
     def __enter__(self) -> Client:
         return self
@@ -378,8 +393,32 @@ class Client:
         return out
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading blocks of ``keys`` are cached in any tier."""
-        return int(self._call(Op.LOOKUP, {"keys": _check_keys(keys)})["count"])
+        """How many leading blocks of ``keys`` are cached in any tier.
+
+        Answered from the daemon's shared lookup index when it can be (a few microseconds, no round
+        trip); through the socket when the index is off or incomplete, or the prefix may continue in
+        the remote tier."""
+        keys = _check_keys(keys)
+        if self._index is not None:
+            n = self._index.prefix(self.fingerprint, keys)
+            if n >= 0 and (n == len(keys) or not self._index.remote):
+                self._check_alive()
+                return n
+        return int(self._call(Op.LOOKUP, {"keys": keys})["count"])
+
+    def _check_alive(self) -> None:
+        """Raise ConnectionFailed if the daemon is gone (an index answer must not outlive it)."""
+        with self._lock:
+            if self._closed:
+                raise ConnectionFailed("client is closed")
+            try:
+                eof = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return  # nothing to read: the connection is up
+            except OSError as exc:
+                raise ConnectionFailed(f"connection to tierkv lost: {exc}") from None
+        if eof:
+            raise ConnectionFailed("connection to tierkv lost: the daemon closed it")
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
         """The tier of each leading cached block ("host", "disk"); its length is :meth:`lookup`'s count."""

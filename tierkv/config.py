@@ -41,6 +41,9 @@ class ServerConfig:
     """Largest control frame accepted; checked before allocating."""
     max_clients: int = 256
     """Connections above this are refused."""
+    lookup_index_slots: int = 1 << 20
+    """Slots of the shared lookup index clients answer ``lookup`` from (8 bytes each; it holds up to 3/4
+    as many blocks, beyond that lookups go through the socket). 0: every lookup goes through the socket."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long to wait for in-flight writes and the shutdown flush."""
     flush_on_shutdown: bool = True
@@ -156,6 +159,8 @@ class Config:
         h, d, s = self.host, self.disk, self.server
         if h.capacity <= 0:
             raise ValueError("host.capacity must be > 0")
+        if s.lookup_index_slots != 0 and not 1024 <= s.lookup_index_slots <= 1 << 30:
+            raise ValueError("server.lookup_index_slots must be 0 (off) or between 1024 and 2^30")
         if h.slab_bytes < 4096 or h.slab_bytes > h.capacity:
             raise ValueError("host.slab_bytes must be between 4 KiB and host.capacity")
         for name, lo, hi in (("host", h.low_watermark, h.high_watermark), ("disk", d.low_watermark, d.high_watermark)):

@@ -264,6 +264,10 @@ class Server:
             # CUDA: an IPC handle in the body; the CPU stand-in: a second memfd after the host pool's.
             body["gpu"], gpu_fds = self.table.gpu.export()
             fds += gpu_fds
+        if self.table.index is not None:
+            # The lookup index, last: clients answer lookups from it (the remote tier still needs us).
+            body["lookup_index"] = {"remote": self.table.remote is not None}
+            fds.append(self.table.index.fd)
         # The reply carries the pool's memfd (SCM_RIGHTS): no named shared memory exists to leak.
         socket.send_fds(conn, [protocol.pack(Op.HELLO, s.rid, body)], fds)
         return _SENT
@@ -382,7 +386,7 @@ class Server:
     # Settings fixed at start-up (they shape the pool, the socket or the LMDB environment).
     _RESTART_ONLY = ("server.socket", "server.data_dir", "server.allow_uids", "server.max_frame_bytes",
                      "host.slab_bytes", "host.prefault", "disk.enabled", "disk.workers", "disk.sync",
-                     "server.max_clients", "gpu.capacity", "gpu.device", "gpu.slab_bytes")
+                     "server.max_clients", "server.lookup_index_slots", "gpu.capacity", "gpu.device", "gpu.slab_bytes")
 
     def _op_tune(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Change settings on the running daemon: all are checked first; a bad one changes nothing."""
@@ -471,6 +475,8 @@ class Server:
                 "clients": len(self._conns),
                 "leases": leases,
                 "requests": self.requests,
+                # slots, keys, overflow (lookups answered by the daemon until it holds fewer blocks)
+                "lookup_index": t.index.info() if t.index is not None else None,
                 "health": "degraded" if t.degraded else "ok",
                 "tiers": tiers,
                 "namespaces": namespaces,
