@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tierkv
+import tierkv.client
 from tierkv import protocol
 from tierkv.errors import BadRequest, KeyMissing, ProtocolError, TierKVError
 
@@ -167,6 +168,38 @@ def test_durable_survives_kill9(daemon):
     daemon.start()
     with daemon.client() as c:
         assert torch.equal(c.get(keys).view(torch.int16), rand_blocks(5, seed=8).view(torch.int16))
+
+
+def test_large_durable_put_streams_in_chunks_and_survives_kill9(daemon, monkeypatch):
+    """A durable put larger than a chunk commits chunk by chunk without waiting (the next copy overlaps
+    the disk write), then one SYNC waits for all: acknowledged means on disk."""
+    monkeypatch.setattr(tierkv.client, "DURABLE_CHUNK_BYTES", 4 * SMALL.block_bytes)
+    with daemon.client() as c:
+        keys, blocks = keys_for(c, 30, seed=40), rand_blocks(30, seed=40)
+        before = c.stats()["requests"]
+        assert c.put(keys, blocks, durable=True) == 30
+        assert c.stats()["requests"] - before == 8 * 2 + 1 + 1  # ALLOC + COMMIT per chunk, one SYNC, stats
+        assert c.put(keys, blocks, durable=True) == 0  # cached already: still made durable, nothing new
+        assert c._call(protocol.Op.SYNC, {}) == {}  # nothing pending
+        with pytest.raises(BadRequest, match="wait"):
+            c._call(protocol.Op.COMMIT, {"keys": [], "slots": [], "durable": True, "wait": "no"})
+    daemon.kill()
+    daemon.start()
+    with daemon.client() as c:
+        assert torch.equal(c.get(keys).view(torch.int16), blocks.view(torch.int16))
+
+
+def test_streamed_durable_put_failure_is_reported_once(daemon_factory, monkeypatch):
+    monkeypatch.setattr(tierkv.client, "DURABLE_CHUNK_BYTES", 2 * SMALL.block_bytes)
+    d = daemon_factory(env={"TIERKV_FAULTS": "write:EIO"})
+    with d.client() as c:
+        keys, blocks = keys_for(c, 7, seed=41), rand_blocks(7, seed=41)
+        with pytest.raises(TierKVError, match="I/O"):
+            c.put(keys, blocks, durable=True)  # never acknowledged
+        other = keys_for(c, 3, seed=42)
+        assert c.put(other, rand_blocks(3, seed=42)) == 3  # no stale failure reported by a later call
+        assert c._call(protocol.Op.SYNC, {}) == {}
+        assert torch.equal(c.get(other).view(torch.int16), rand_blocks(3, seed=42).view(torch.int16))
 
 
 def _hold_and_die(sock: str, keys_seed: int, ready) -> None:

@@ -96,6 +96,8 @@ class Session:
     leases: dict[int, Lease] = field(default_factory=dict)
     # fetches not yet waited: blocks, their source tiers, and the tier they are leased in
     tickets: dict[int, tuple[list[Block], list[str], str]] = field(default_factory=dict)
+    # durable writes committed with wait=False, not yet waited for by SYNC
+    pending: list[Job] = field(default_factory=list)
 
 
 def validate_keys(keys: object, limit: int = 1 << 16) -> list[bytes]:
@@ -312,8 +314,11 @@ class BlockTable:
         return out
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
-               tier: str = "host") -> int:
-        """Publish written slots under ``keys``; returns how many were new (the rest deduplicated)."""
+               tier: str = "host", wait: bool = True) -> int:
+        """Publish written slots under ``keys``; returns how many were new (the rest deduplicated).
+
+        ``durable`` with ``wait=False`` (host tier): return once the disk write is queued; :meth:`sync`
+        waits for it (a client streams a large durable put: its next copy overlaps this write)."""
         ns = self._ns(s)
         if len(keys) != len(offsets):
             raise BadRequest("keys and slots differ in length")
@@ -353,6 +358,9 @@ class BlockTable:
                 parent = fk
             self._write_through(new)
             job = self._store(durable_blocks) if durable_blocks else None
+            if job is not None and not wait:
+                s.pending.append(job)
+                job = None
             self.changed.notify_all()
         if job is not None:
             job.wait()
@@ -360,6 +368,22 @@ class BlockTable:
                 raise job.error or TierFull("durable write failed")
         self._kick_evictor()
         return len(new)
+
+    def sync(self, s: Session) -> None:
+        """Wait for the durable writes this connection committed with ``wait=False``.
+
+        Raises:
+            TierKVError: one of them failed (the first error); every one was waited for.
+        """
+        with self.lock:
+            jobs, s.pending = s.pending, []
+        failed: TierKVError | None = None
+        for job in jobs:
+            job.wait()
+            if failed is None and (job.error is not None or not all(m.ok for m in job.moves)):
+                failed = job.error or TierFull("durable write failed")
+        if failed is not None:
+            raise failed
 
     def abort(self, s: Session, offsets: list[int], tier: str = "host") -> None:
         """Give back allocated slots without committing them."""

@@ -112,6 +112,11 @@ class Lease:
         self.release()
 
 
+# A durable put larger than this is sent in chunks of this size, each chunk's copy overlapping the
+# disk write of the one before.
+DURABLE_CHUNK_BYTES = 32 << 20
+
+
 class Client:
     """A connection to the tierkv daemon for one model namespace. Thread-safe (calls are serialised)."""
 
@@ -301,6 +306,25 @@ class Client:
         src = self._check_blocks(blocks, len(keys))
         if not keys:
             return 0
+        chunk = max(1, DURABLE_CHUNK_BYTES // self.layout.block_bytes)
+        if not durable or len(keys) <= chunk:
+            return self._put_host(keys, src, durable, True)
+        # A large durable put streams: each chunk's disk write is queued at its commit, and the copy of
+        # the next chunk overlaps it; one SYNC then waits for them all.
+        new = 0
+        try:
+            for lo in range(0, len(keys), chunk):
+                new += self._put_host(keys[lo:lo + chunk], src[lo:lo + chunk], True, False)
+        except BaseException:
+            try:
+                self._call(Op.SYNC, {})  # leave no pending write behind for a later put to report
+            except TierKVError:
+                pass
+            raise
+        self._call(Op.SYNC, {})
+        return new
+
+    def _put_host(self, keys: list[bytes], src: Any, durable: bool, wait: bool) -> int:
         # A durable put writes every block, cached or not: a cached copy may live in host memory only,
         # and COMMIT makes durable exactly the keys it is given.
         offsets = self._call(Op.ALLOC, {"n": len(keys), "keys": None if durable else keys})["slots"]
@@ -317,7 +341,8 @@ class Client:
             raise
         if not new_slots and not durable:
             return 0
-        return int(self._call(Op.COMMIT, {"keys": new_keys, "slots": new_slots, "durable": durable})["new"])
+        return int(self._call(Op.COMMIT, {"keys": new_keys, "slots": new_slots, "durable": durable,
+                                          "wait": wait})["new"])
 
     def _put_gpu(self, keys: list[bytes], blocks: Any, durable: bool) -> int:
         assert self._gpu is not None

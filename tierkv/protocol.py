@@ -57,6 +57,7 @@ class Op(enum.IntEnum):
     WAIT = 21
     PLAN = 22
     RECOMPUTE = 23
+    SYNC = 24
 
 
 _local = threading.local()

@@ -286,7 +286,16 @@ class Server:
         slots = body.get("slots")
         if not isinstance(slots, list):
             raise BadRequest("slots must be a list")
-        return {"new": self.table.commit(s, keys, slots, bool(body.get("durable", False)), body.get("tier", "host"))}
+        wait = body.get("wait", True)
+        if type(wait) is not bool:
+            raise BadRequest("wait must be a bool")
+        return {"new": self.table.commit(s, keys, slots, bool(body.get("durable", False)), body.get("tier", "host"),
+                                         wait)}
+
+    def _op_sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        assert self.table is not None
+        self.table.sync(s)
+        return {}
 
     def _op_abort(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,10 @@ from .streams import Copy
 from .tiers.disk import DiskError, DiskTier
 
 log = logging.getLogger("tierkv.transfer")
+# Group commit: a written store job waits for the one sync that makes it durable at most this many jobs
+# or seconds (less when the writer finds nothing else queued).
+GROUP_COMMIT_JOBS = 8
+GROUP_COMMIT_S = 0.05
 LOAD_THREADS = 4  # at least this many disk -> host loads in flight (see TransferEngine.__init__)
 
 
@@ -57,6 +61,8 @@ class Job:
     error: TierKVError | None = None
     seconds: float = 0.0
     on_done: Callable[[Job], None] | None = None
+    # Stores: encodes of the first moves, submitted while the job before it was being written.
+    encoded: list[Future] = field(default_factory=list)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job finishes; False on timeout."""
@@ -107,9 +113,15 @@ class TransferEngine:
         return job
 
     def _write_loop(self) -> None:
+        # Group commit: each commit syncs its data pages, and one sync of the meta page makes every
+        # commit before it durable. Jobs written back to back share that sync: a job is finished (a
+        # durable put acknowledged) once the writer finds the queue empty, or several jobs or a
+        # moment have gone by, and has synced.
+        unsynced: list[tuple[Job, float]] = []  # written, not yet synced: (job, when written)
         while True:
             job = self._stores.get()
             if job is None:
+                self._sync(unsynced)
                 return
             t0 = time.perf_counter()
             try:
@@ -124,7 +136,42 @@ class TransferEngine:
                 log.exception("disk writer")
             job.seconds = time.perf_counter() - t0
             self.link_seconds["host->disk"] += job.seconds
+            unsynced.append((job, t0 + job.seconds))  # when it was written
+            if self._stores.empty() or len(unsynced) >= GROUP_COMMIT_JOBS or \
+                    time.perf_counter() - unsynced[0][1] > GROUP_COMMIT_S:
+                self._sync(unsynced)
+                unsynced = []
+
+    def _sync(self, jobs: list[tuple[Job, float]]) -> None:
+        """One sync for the written jobs, then finish them (a failed sync fails those not failed yet)."""
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.disk is not None:
+                self.disk.flush()
+        except TierKVError as exc:
+            self.failures += 1
+            log.warning("disk sync failed: %s", exc)
+            for job, _ in jobs:
+                if job.error is None:
+                    job.error = exc
+        self.link_seconds["host->disk"] += time.perf_counter() - t0
+        for job, _ in jobs:
             self._finish(job)
+
+    def _encode_ahead(self) -> None:
+        """Start encoding the first batch of the next queued store while this one is written."""
+        with self._stores.mutex:
+            nxt = self._stores.queue[0] if self._stores.queue else None
+        if nxt is None or nxt.encoded:
+            return
+        size = 0
+        for m in nxt.moves:
+            if size >= self.write_batch_bytes:
+                break
+            nxt.encoded.append(self._encode.submit(self._encode_one, m))
+            size += m.view.nbytes
 
     def _write_job(self, job: Job) -> None:
         """Encode on the workers while this thread writes: batch i is written as batch i+1 encodes."""
@@ -138,7 +185,8 @@ class TransferEngine:
                 raise
             self._orphans = []
             return
-        futures = [self._encode.submit(self._encode_one, m) for m in job.moves]
+        futures = job.encoded + [self._encode.submit(self._encode_one, m) for m in job.moves[len(job.encoded):]]
+        job.encoded = []
         i = 0
         while i < len(job.moves):
             # A transaction of about write_batch_bytes: large enough to amortise its two fsyncs, small
@@ -150,6 +198,7 @@ class TransferEngine:
             moves = job.moves[i:j]
             blobs = [f.result() for f in futures[i:j]]
             i = j
+            self._encode_ahead()
             puts = [(m.lmdb_key, b) for m, b in zip(moves, blobs) if b is not None]
             incoming = sum(len(b) for _, b in puts)
             # Values the table evicted while a failed write held them are deleted with the next one.
@@ -168,9 +217,7 @@ class TransferEngine:
                 m.ok = b is not None
                 m.stored_bytes = len(b) if b is not None else 0
             self.link_bytes["host->disk"] += sum(m.view.nbytes for m in moves if m.ok)
-        # Each commit synced its data; one sync now makes the job's last commit durable before the job
-        # is done (durable puts are acknowledged then), instead of a second sync in every commit.
-        self.disk.flush()
+        # No sync here: the write loop syncs once for this job and any written right after it.
 
     def _encode_one(self, m: Move) -> bytes | None:
         try:
