@@ -42,6 +42,7 @@ def gdaemon(daemon_factory):
 def test_standin_store_drains_to_host_and_disk_and_loads_back(gdaemon):
     with gdaemon.client() as c:
         assert c.gpu_device == "cpu"
+        assert list(c.stats()["tiers"])[:3] == ["gpu", "host", "disk"]  # hottest first
         keys, blocks = keys_for(c, 16, seed=1), rand_blocks(16, seed=1)
         with c.alloc(16, tier="gpu") as slots:
             assert slots.tier == "gpu" and len(slots.views) == 16
@@ -166,10 +167,12 @@ def test_gpu_settings_are_checked(daemon_factory):
     d = daemon_factory(["--gpu-capacity", "8MiB", "--gpu-device", "tpu"], start=False)
     with pytest.raises(RuntimeError, match="gpu.device"):
         d.start()
+    assert "Traceback" not in d.log.read_text()  # one clear line, no traceback
     if not torch.cuda.is_available():
         d2 = daemon_factory(["--gpu-capacity", "8MiB", "--gpu-device", "cuda"], start=False)
         with pytest.raises(RuntimeError, match="no CUDA device"):
             d2.start()
+        assert "Traceback" not in d2.log.read_text()
 
 
 def test_budget_caps_the_gpu_link(daemon_factory):

@@ -460,6 +460,7 @@ class Server:
                                              host_pinned=bool(t.engine._registered), policy=t.gpu_policy.name)
                 tiers["gpu"]["bytes_logical"] = gpu_live
                 tiers["gpu"]["bytes_stored"] = t.gpu.used_bytes
+                tiers = {"gpu": tiers["gpu"], "host": tiers["host"]}  # hottest tier first, as in lookup
             tiers["host"]["bytes_logical"] = live
             tiers["host"]["bytes_stored"] = t.host.used_bytes
             tiers["host"]["pinned_bytes"] = t.pinned_bytes
