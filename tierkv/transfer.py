@@ -109,6 +109,11 @@ class TransferEngine:
         job = Job(next(self._ids), ("host", "disk"), moves, on_done=on_done)
         with self._lock:
             self.inflight += 1
+        if self._stores.qsize() < 2:  # its first batch encodes now, while the writer finishes the job before
+            try:
+                self._encode_first(job)
+            except RuntimeError:  # the engine is closing: the writer (if still there) encodes it
+                job.encoded = []
         self._stores.put(job)
         return job
 
@@ -164,13 +169,15 @@ class TransferEngine:
         """Start encoding the first batch of the next queued store while this one is written."""
         with self._stores.mutex:
             nxt = self._stores.queue[0] if self._stores.queue else None
-        if nxt is None or nxt.encoded:
-            return
+        if nxt is not None and not nxt.encoded:
+            self._encode_first(nxt)
+
+    def _encode_first(self, job: Job) -> None:
         size = 0
-        for m in nxt.moves:
+        for m in job.moves:
             if size >= self.write_batch_bytes:
                 break
-            nxt.encoded.append(self._encode.submit(self._encode_one, m))
+            job.encoded.append(self._encode.submit(self._encode_one, m))
             size += m.view.nbytes
 
     def _write_job(self, job: Job) -> None:

@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _benchd import Daemon  # noqa: E402  (tools/ is the script's directory)
+
 import tierkv  # noqa: E402
 from tierkv.transfer import LOAD_THREADS  # noqa: E402
 
@@ -88,32 +89,6 @@ def memcpy_ref(reps: int) -> dict:
             np.copyto(dst[i * bb:(i + 1) * bb], src[i * bb:(i + 1) * bb])
         pieces.append(src.nbytes / (time.perf_counter() - t) / GB)
     return {"bulk": best_median(bulk), "pieces_2mib": best_median(pieces)}
-
-
-class Daemon:
-    def __init__(self, data_dir: Path, sock: str, args: list[str]) -> None:
-        self.cmd = [sys.executable, "-m", "tierkv", "serve", "--socket", sock, "--data-dir", str(data_dir),
-                    "--log-level", "warning", *args]
-        self.sock = sock
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Daemon:
-        self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.proc.stderr.read().decode())  # type: ignore[union-attr]
-            try:
-                tierkv.Client.connect(self.sock, model="probe", layout=LLAMA, populate=False).close()
-                return self
-            except tierkv.TierKVError:
-                time.sleep(0.1)
-        raise RuntimeError("daemon did not start")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(120)
 
 
 def host_bench(tmp: Path, blocks: torch.Tensor, reps: int) -> dict:

@@ -22,9 +22,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,38 +32,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _benchd import Daemon  # noqa: E402  (tools/ is the script's directory)
+
 import tierkv  # noqa: E402
 
 LLAMA = tierkv.Layout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16, dtype="bfloat16")
 BB = LLAMA.block_bytes  # 2 MiB
 GB = 1e9
-
-
-class Daemon:
-    def __init__(self, data_dir: Path, sock: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.cmd = [sys.executable, "-m", "tierkv", "serve", "--socket", sock, "--data-dir", str(data_dir),
-                    "--log-level", "warning", *args]
-        self.sock = sock
-        self.env = dict(os.environ, **(env or {}))
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Daemon:
-        self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, env=self.env)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.proc.stderr.read().decode())  # type: ignore[union-attr]
-            try:
-                tierkv.Client.connect(self.sock, model="probe", layout=LLAMA, populate=False).close()
-                return self
-            except tierkv.TierKVError:
-                time.sleep(0.1)
-        raise RuntimeError("daemon did not start")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(300)
 
 
 def keys(c: tierkv.Client, n: int, seed: int) -> list[bytes]:
