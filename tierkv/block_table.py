@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .codecs import CodecError, read_header
@@ -291,26 +291,30 @@ class BlockTable:
         slot = slot_size_for(ns.layout.block_bytes)
         if n * slot > self.host_limit:
             raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({self.host_limit} bytes)")
-        if keys is not None and len(keys) != n:
-            raise BadRequest("keys and n disagree")
-        out: list[int | None] = []
         with self.lock:
             new = n if keys is None else sum(1 for k in keys if (s.fp + k) not in self.blocks)
             self._make_host_room(new * slot)
-            try:
-                for i in range(n):
-                    if keys is not None and (s.fp + keys[i]) in self.blocks:
-                        out.append(None)
-                        continue
-                    off = self._alloc_slot(slot)
-                    s.slots[off] = slot
-                    out.append(off)
-            except TierFull:
-                for off in out:
-                    if off is not None:
-                        s.slots.pop(off, None)
-                        self.host.free(off)
-                raise
+            return self._take_slots(s, n, keys, slot, lambda: self._alloc_slot(slot), s.slots, self.host.free)
+
+    def _take_slots(self, s: Session, n: int, keys: list[bytes] | None, slot: int, take: Callable[[], int],
+                    owned: dict[int, int], free: Callable[[int], None]) -> list[int | None]:
+        """Slots from ``take`` for the blocks not cached yet (None for cached keys), recorded in the
+        connection's ``owned``; all given back if the tier fills on the way. Lock held."""
+        out: list[int | None] = []
+        try:
+            for i in range(n):
+                if keys is not None and (s.fp + keys[i]) in self.blocks:
+                    out.append(None)
+                    continue
+                off = take()
+                owned[off] = slot
+                out.append(off)
+        except TierFull:
+            for off in out:
+                if off is not None:
+                    owned.pop(off, None)
+                    free(off)
+            raise
         return out
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
@@ -405,23 +409,9 @@ class BlockTable:
                              f"({self.gpu.slab_bytes}); raise gpu.slab_bytes")
         if n * slot > self.gpu.capacity:
             raise BadRequest(f"{n} blocks of {slot} bytes exceed the GPU tier ({self.gpu.capacity} bytes)")
-        out: list[int | None] = []
         with self.lock:
-            try:
-                for i in range(n):
-                    if keys is not None and (s.fp + keys[i]) in self.blocks:
-                        out.append(None)
-                        continue
-                    off = self._alloc_gpu_slot(slot)
-                    s.gpu_slots[off] = slot
-                    out.append(off)
-            except TierFull:
-                for off in out:
-                    if off is not None:
-                        s.gpu_slots.pop(off, None)
-                        self.gpu.free(off)
-                raise
-        return out
+            return self._take_slots(s, n, keys, slot, lambda: self._alloc_gpu_slot(slot), s.gpu_slots,
+                                    self.gpu.free)
 
     def _commit_gpu(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool) -> int:
         """Publish GPU slots; their copies to host memory (then disk) go on in the background."""

@@ -96,12 +96,7 @@ class DevicePool(SlabAllocator):
             torch.cuda.synchronize(self.index)
             cuda.free(self._ptr, self.index)
             self._ptr = 0
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # a view is still alive somewhere; the mapping goes when the process exits
-            self._mm = None
+        self._mm = _unmap(self._mm)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -159,9 +154,14 @@ class ClientDevicePool:
             torch.cuda.synchronize(self.index)
             cuda.ipc_close(self._ptr, self.index)
             self._ptr = 0
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass
-            self._mm = None
+        self._mm = _unmap(self._mm)
+
+
+def _unmap(mm: Any) -> None:
+    """Close a stand-in pool's mapping; returns None for the caller to store."""
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with the last reference
+    return None
