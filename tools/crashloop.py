@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import random
@@ -157,9 +158,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=str(REPO / "bench-results" / "crashloop.json"))
     ap.add_argument("--keep", action="store_true", help="keep the data dir and daemon log")
+    ap.add_argument("--chunk-blocks", type=int, default=0,
+                    help="stream durable puts in chunks of this many blocks (COMMIT without wait, then SYNC)")
     args = ap.parse_args()
 
     layout = LARGE if args.large else SMALL
+    if args.chunk_blocks:
+        importlib.import_module("tierkv.client").DURABLE_CHUNK_BYTES = args.chunk_blocks * layout.block_bytes
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="tierkv-crashloop-"))
     d = Daemon(work, ["--host-capacity", "256MiB", "--disk-capacity", "4GiB", "--slab-bytes", "8MiB"])
