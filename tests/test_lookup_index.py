@@ -218,3 +218,17 @@ def test_lookups_beside_a_writer_in_another_process(daemon_factory):
         assert writer.exitcode == 0 and seen > 0
         for ks in sets:
             assert c.lookup(ks) == _daemon_count(c, ks)
+
+
+def test_stats_cli_shows_the_index(daemon):
+    import json
+    import subprocess
+    import sys
+
+    with daemon.client() as c:
+        c.put(_keys(c, 3, seed=8), _blocks(3))
+    run = [sys.executable, "-m", "tierkv", "stats", "--socket", daemon.socket]
+    human = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert human.returncode == 0 and "lookup index: 3 keys in" in human.stdout
+    as_json = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60).stdout)
+    assert as_json["lookup_index"]["keys"] == 3

@@ -247,6 +247,10 @@ def _print_stats(r: dict) -> None:
                   format_size(d["bytes_stored"]), f"{d['compression_ratio']:.2f}x",
                   f"{d.get('fragmentation', 0):.1%}" if "fragmentation" in d else "-")
     console.print(t)
+    li = r.get("lookup_index")
+    if li:
+        console.print(f"lookup index: {li['keys']} keys in {li['slots']} slots"
+                      + (" (full: lookups go through the socket)" if li["overflow"] else ""))
     if r["namespaces"]:
         n = Table(title="namespaces")
         for c in ("fingerprint", "model", "layout", "tp", "blocks"):
