@@ -39,10 +39,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class Daemon:
     """A `tierkv serve` subprocess; restartable on the same data dir."""
 
+    sockdirs: list[Path] = []  # every socket dir made, removed at the end of the session
+
     def __init__(self, workdir: Path, args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
         # Unix socket paths are limited to ~107 bytes: keep them short.
         self.sockdir = Path(tempfile.mkdtemp(prefix="tkv-", dir="/tmp"))
+        Daemon.sockdirs.append(self.sockdir)
         os.chmod(self.sockdir, 0o700)
         self.socket = str(self.sockdir / "s")
         self.data_dir = str(workdir / "data")
@@ -114,6 +117,13 @@ class Daemon:
 
 # A small layout keeps tests fast: 2 layers x 2 heads x 16 tokens x 32 dims, bf16 -> 8 KiB a block.
 SMALL = tierkv.Layout(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_socket_dirs():
+    yield
+    for d in Daemon.sockdirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

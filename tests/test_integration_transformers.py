@@ -10,6 +10,7 @@ computes what a cold one does.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import types
 
@@ -82,6 +83,7 @@ def shared(tmp_path_factory):
                          "--disk-capacity", "1GiB", "--slab-bytes", "8MiB"], sock, work / "daemon.log")
     yield types.SimpleNamespace(socket=sock)
     assert stop_daemon(proc) == 0
+    shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
 
 
 def host_blocks(daemon) -> int:
