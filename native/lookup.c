@@ -101,6 +101,27 @@ static int fk_bytes(PyObject *o, const char **p, Py_ssize_t *n) {
     return 0;
 }
 
+/* Linear probe for ``tag`` from its home slot: 1 with *at = its slot, or 0 with *at = the empty slot that
+ * ends its run (where an insert goes). A probe that meets no empty slot (only a reader's torn view of a
+ * table being rewritten; the writer keeps a quarter empty) also answers 0. */
+static inline int probe(const table_t *t, uint64_t tag, uint64_t *at) {
+    uint64_t i = (tag >> 8) & t->mask;
+    for (uint64_t probes = 0; probes <= t->mask; probes++) {
+        uint64_t s = __atomic_load_n(&t->slots[i], __ATOMIC_RELAXED);
+        if (s == tag || s == 0) {
+            *at = i;
+            return s == tag;
+        }
+        i = (i + 1) & t->mask;
+    }
+    *at = i;
+    return 0;
+}
+
+static inline uint64_t key_tag(const char *p, Py_ssize_t n) {
+    return hash2((const unsigned char *)p, (size_t)n, (const unsigned char *)"", 0);
+}
+
 static inline void write_begin(header_t *h) {
     __atomic_store_n(&h->seq, h->seq + 1, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_RELEASE);
@@ -155,18 +176,8 @@ static PyObject *py_insert(PyObject *self, PyObject *args) {
     table_t t;
     if (!PyArg_ParseTuple(args, "OO", &obj, &key) || fk_bytes(key, &p, &n) < 0 || open_table(obj, &t, 1) < 0)
         return NULL;
-    uint64_t tag = hash2((const unsigned char *)p, (size_t)n, (const unsigned char *)"", 0), i = (tag >> 8) & t.mask;
-    long r = 1;
-    for (;;) {
-        uint64_t s = t.slots[i];
-        if (s == tag) {
-            r = 0;
-            break;
-        }
-        if (s == 0)
-            break;
-        i = (i + 1) & t.mask;
-    }
+    uint64_t tag = key_tag(p, n), i;
+    long r = probe(&t, tag, &i) ? 0 : 1;
     if (r == 1) {
         if ((t.hdr->count + 1) * 4 > (t.mask + 1) * 3) { /* load factor 3/4: probes stay short */
             write_begin(t.hdr);
@@ -192,18 +203,8 @@ static PyObject *py_remove(PyObject *self, PyObject *args) {
     table_t t;
     if (!PyArg_ParseTuple(args, "OO", &obj, &key) || fk_bytes(key, &p, &n) < 0 || open_table(obj, &t, 1) < 0)
         return NULL;
-    uint64_t tag = hash2((const unsigned char *)p, (size_t)n, (const unsigned char *)"", 0), i = (tag >> 8) & t.mask, m = t.mask;
-    long r = 0;
-    for (uint64_t probes = 0; probes <= m; probes++) {
-        uint64_t s = t.slots[i];
-        if (s == 0)
-            break;
-        if (s == tag) {
-            r = 1;
-            break;
-        }
-        i = (i + 1) & m;
-    }
+    uint64_t i, m = t.mask;
+    long r = probe(&t, key_tag(p, n), &i);
     if (r) {
         write_begin(t.hdr);
         /* Backward shift: move later entries of the run into the hole when their home allows it. */
@@ -272,18 +273,8 @@ static PyObject *py_prefix(PyObject *self, PyObject *args) {
             uint64_t tag = hash2((const unsigned char *)fpp, (size_t)fpn,
                                  (const unsigned char *)PyBytes_AS_STRING(items[found]),
                                  (size_t)PyBytes_GET_SIZE(items[found]));
-            uint64_t i = (tag >> 8) & t.mask, hit = 0;
-            for (uint64_t probes = 0; probes <= t.mask; probes++) {
-                uint64_t s = __atomic_load_n(&t.slots[i], __ATOMIC_RELAXED);
-                if (s == tag) {
-                    hit = 1;
-                    break;
-                }
-                if (s == 0)
-                    break;
-                i = (i + 1) & t.mask;
-            }
-            if (!hit)
+            uint64_t at;
+            if (!probe(&t, tag, &at))
                 break;
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
