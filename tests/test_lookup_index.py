@@ -178,6 +178,7 @@ def test_index_off_and_bad_setting(daemon_factory):
     bad = daemon_factory(["--log-level", "error"], start=False, env={"TIERKV_SERVER_LOOKUP_INDEX_SLOTS": "100"})
     with pytest.raises(RuntimeError, match="lookup_index_slots"):
         bad.start()
+    assert "Traceback" not in bad.log.read_text()  # one clear line
 
 
 def test_lookup_after_the_daemon_died_is_an_error(daemon):
