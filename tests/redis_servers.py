@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import signal
 import socket
@@ -65,11 +66,44 @@ ACL_RULE = f"{ACL_USER} on >{ACL_PASSWORD} ~tierkv:* resetchannels -@all " + " "
 _LIVE: set[RedisServer] = set()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` is also what it hands to outgoing connections (the
+    suite's clients, other jobs on the machine), so a server started on it a moment later can find it
+    taken: CI once lost a cluster bus port that way. Ports below the ephemeral range are only ever
+    taken by a listener, and one process never gets the same port twice.
+    """
+    lo, _hi = _ephemeral_range()
+    top = max(lo - 1, 20000)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(1000):
+        port = rng.randrange(10000, top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in 10000..{top}")
+
+
+class _PortTaken(RuntimeError):
+    """The server could not bind one of its ports."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +158,23 @@ class RedisServer:
             raise RuntimeError("redis-server/redis-cli not found")
         # /tmp keeps the Unix socket path well under the 107-byte limit.
         self.dir = Path(tempfile.mkdtemp(prefix="tkv-redis-", dir="/tmp"))
+        self.socket_path = str(self.dir / "redis.sock") if unixsocket else None
+        self.tls = tls
+        self._opts = dict(maxmemory=maxmemory, policy=policy, users=tuple(users), unixsocket=unixsocket,
+                          cluster=cluster, extra=dict(extra or {}))
+        self.started_once = False
+        self._write_conf()
+        self.proc: subprocess.Popen | None = None
+
+    def _write_conf(self) -> None:
+        """Pick fresh ports and write the config file for them."""
+        o, tls = self._opts, self.tls
+        maxmemory, policy, users, unixsocket, cluster, extra = (o["maxmemory"], o["policy"], o["users"],
+                                                                o["unixsocket"], o["cluster"], o["extra"])
+        (self.dir / "redis.log").unlink(missing_ok=True)  # a failed try's log must not speak for the next
         self.port = free_port()
         self.tls_port = free_port() if tls else None
         self.bus_port = free_port() if cluster else None
-        self.socket_path = str(self.dir / "redis.sock") if unixsocket else None
-        self.tls = tls
         lines = [f"port {self.port}", "bind 127.0.0.1", "daemonize no", "save \"\"", "appendonly no",
                  f"dir {self.dir}", f"logfile {self.dir / 'redis.log'}", "loglevel warning"]
         if maxmemory:
@@ -149,20 +195,37 @@ class RedisServer:
             lines.append(f"{k} {v}")
         self.conf = self.dir / "redis.conf"
         self.conf.write_text("\n".join(lines) + "\n")
-        self.proc: subprocess.Popen | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self, timeout: float = 15.0) -> RedisServer:
-        """Start (or restart on the same port and config) and wait until it answers PING."""
+        """Start (or restart on the same port and config) and wait until it answers PING.
+
+        A first start that loses a port to another process (bind: address in use) moves to fresh ports
+        and tries again; a restart keeps its ports, since tests reconnect to them.
+        """
+        for attempt in range(5):
+            try:
+                self._start_once(timeout)
+                self.started_once = True
+                return self
+            except _PortTaken:
+                if self.started_once or attempt == 4:
+                    raise
+                self._write_conf()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> None:
         self.proc = subprocess.Popen([self.binary, str(self.conf)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         _LIVE.add(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.binary} exited with {self.proc.returncode}: {self.log_tail()}")
+                tail = self.log_tail()
+                err = _PortTaken if "Address already in use" in tail else RuntimeError
+                raise err(f"{self.binary} exited with {self.proc.returncode}: {tail}")
             if self._pong():
-                return self
+                return
             time.sleep(0.02)
         raise RuntimeError(f"{self.binary} did not answer PING within {timeout}s: {self.log_tail()}")
 
