@@ -413,6 +413,26 @@ def test_failed_disk_write_keeps_the_table_and_lmdb_in_step(daemon_factory):
         env.close()
 
 
+def test_a_job_failing_after_its_first_transaction_keeps_the_table_and_lmdb_in_step(daemon_factory):
+    """Transactions of 2 blocks and every other disk write failing: a durable put of 8 blocks fails part
+    way, after some of its transactions committed. Those blocks are on disk and the table counts them."""
+    d = daemon_factory(["--codec", "raw"], env=dict(FAST_ENV, TIERKV_DISK_WRITE_BATCH="2",
+                                                    TIERKV_FAULTS="write:EIO:0.5"))
+    failed = 0
+    with d.client(layout=BIG) as c:
+        for i in range(12):
+            _acked, err = _fill(c, f"part/{i}", 1, per=8)
+            failed += err is not None
+        blocks = c.stats()["tiers"]["disk"]["blocks"]
+    assert failed and blocks  # both happened
+    d.kill()
+    env = lmdb.open(disk_dir(d), readonly=True, subdir=True)
+    try:
+        assert env.stat()["entries"] == blocks
+    finally:
+        env.close()
+
+
 # ---- EIO through the fault shim -----------------------------------------------------------------------
 def test_eio_is_a_miss_or_an_error_and_health_degraded(daemon_factory):
     d = daemon_factory(env=FAST_ENV)

@@ -986,7 +986,7 @@ class BlockTable:
             with self.lock:
                 for b, m in zip(blocks, job.moves):
                     b.writing -= 1
-                    if job.error is None and m.ok:
+                    if m.ok:  # written, even when a later batch of the job failed
                         if not b.on_disk and b.fk in self.blocks:
                             b.on_disk = True
                             b.disk_bytes = m.stored_bytes

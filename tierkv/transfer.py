@@ -128,24 +128,46 @@ class TransferEngine:
             if job is None:
                 self._sync(unsynced)
                 return
+            jobs = [job] + self._take_queued(job)
             t0 = time.perf_counter()
             try:
-                self._write_job(job)
+                self._write_jobs(jobs)
             except TierKVError as exc:
-                job.error = exc
+                for j in jobs:
+                    j.error = exc
                 self.failures += 1
-                log.warning("disk write of %d blocks failed: %s", len(job.moves), exc)
+                log.warning("disk write of %d blocks failed: %s", sum(len(j.moves) for j in jobs), exc)
             except Exception as exc:  # never let the writer thread die
-                job.error = TierKVError(f"disk write failed: {exc}")
+                for j in jobs:
+                    j.error = TierKVError(f"disk write failed: {exc}")
                 self.failures += 1
                 log.exception("disk writer")
-            job.seconds = time.perf_counter() - t0
-            self.link_seconds["host->disk"] += job.seconds
-            unsynced.append((job, t0 + job.seconds))  # when it was written
+            seconds = time.perf_counter() - t0
+            self.link_seconds["host->disk"] += seconds
+            for j in jobs:
+                j.seconds = seconds
+                unsynced.append((j, t0 + seconds))  # when it was written
             if self._stores.empty() or len(unsynced) >= GROUP_COMMIT_JOBS or \
                     time.perf_counter() - unsynced[0][1] > GROUP_COMMIT_S:
                 self._sync(unsynced)
                 unsynced = []
+
+    def _take_queued(self, job: Job) -> list[Job]:
+        """Store jobs queued behind ``job`` that fit in its transaction: several small commits (a
+        streamed put's first chunks, many one-block puts) cost more than one of their total size."""
+        if not job.moves:
+            return []
+        size = sum(m.view.nbytes for m in job.moves)
+        taken: list[Job] = []
+        with self._stores.mutex:
+            q = self._stores.queue
+            while q and q[0] is not None and q[0].moves and \
+                    size + sum(m.view.nbytes for m in q[0].moves) <= self.write_batch_bytes and \
+                    sum(len(j.moves) for j in taken) + len(job.moves) + len(q[0].moves) <= self.write_batch:
+                nxt = q.popleft()
+                size += sum(m.view.nbytes for m in nxt.moves)
+                taken.append(nxt)
+        return taken
 
     def _sync(self, jobs: list[tuple[Job, float]]) -> None:
         """One sync for the written jobs, then finish them (a failed sync fails those not failed yet)."""
@@ -180,10 +202,10 @@ class TransferEngine:
             job.encoded.append(self._encode.submit(self._encode_one, m))
             size += m.view.nbytes
 
-    def _write_job(self, job: Job) -> None:
+    def _write_jobs(self, jobs: list[Job]) -> None:
         """Encode on the workers while this thread writes: batch i is written as batch i+1 encodes."""
         assert self.disk is not None
-        if not job.moves and self._make_room:
+        if not jobs[0].moves and self._make_room:
             deletes = self._orphans + self._make_room(0)
             try:
                 self.disk.write([], deletes)
@@ -192,17 +214,21 @@ class TransferEngine:
                 raise
             self._orphans = []
             return
-        futures = job.encoded + [self._encode.submit(self._encode_one, m) for m in job.moves[len(job.encoded):]]
-        job.encoded = []
+        futures: list[Future] = []
+        all_moves: list[Move] = []
+        for job in jobs:
+            futures += job.encoded + [self._encode.submit(self._encode_one, m) for m in job.moves[len(job.encoded):]]
+            job.encoded = []
+            all_moves += job.moves
         i = 0
-        while i < len(job.moves):
+        while i < len(all_moves):
             # A transaction of about write_batch_bytes: large enough to amortise its two fsyncs, small
             # enough that the next batch encodes while this one is written.
             j, size = i, 0
-            while j < len(job.moves) and (j == i or size < self.write_batch_bytes) and j - i < self.write_batch:
-                size += job.moves[j].view.nbytes
+            while j < len(all_moves) and (j == i or size < self.write_batch_bytes) and j - i < self.write_batch:
+                size += all_moves[j].view.nbytes
                 j += 1
-            moves = job.moves[i:j]
+            moves = all_moves[i:j]
             blobs = [f.result() for f in futures[i:j]]
             i = j
             self._encode_ahead()
@@ -224,7 +250,7 @@ class TransferEngine:
                 m.ok = b is not None
                 m.stored_bytes = len(b) if b is not None else 0
             self.link_bytes["host->disk"] += sum(m.view.nbytes for m in moves if m.ok)
-        # No sync here: the write loop syncs once for this job and any written right after it.
+        # No sync here: the write loop syncs once for these jobs and any written right after them.
 
     def _encode_one(self, m: Move) -> bytes | None:
         try:
