@@ -14,6 +14,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,10 @@ _MADV_POPULATE_READ = 22  # Linux 5.14+: fault a whole range in at once
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_SYNC_FILE_RANGE_WRITE = 2
+# How often a commit in progress has the kernel start writing the pages it has written so far.
+WRITEBACK_KICK_S = 0.0005
 
 
 def _willneed(value: memoryview) -> None:
@@ -89,6 +94,7 @@ class DiskTier:
         self.env.reader_check()
         self._write_lock = threading.Lock()
         self._allocated = self.file_bytes()
+        self._writeback = _WritebackKicker(self.path / "data.mdb", enabled=sync)
         self.fault: Callable[[str], None] | None = None  # test shim: raise OSError(EIO) on "read"/"write"
         self._pages = _PageMap(self.path / "data.mdb")
         self._buffers = threading.local()  # per reader thread: the O_DIRECT read buffer
@@ -135,11 +141,17 @@ class DiskTier:
                 if self.fault:
                     self.fault("write")
                 self._grow(sum(len(v) for _, v in puts))
-                with self.env.begin(write=True) as txn:
+                txn = self.env.begin(write=True)
+                try:
                     for key in deletes:
                         txn.delete(key)
                     for key, value in puts:
                         txn.put(key, value, overwrite=True)
+                except BaseException:
+                    txn.abort()
+                    raise
+                with self._writeback:
+                    txn.commit()
             except lmdb.MapFullError:
                 raise TierFull("disk tier map is full") from None
             except lmdb.Error as exc:
@@ -286,9 +298,69 @@ class DiskTier:
         except lmdb.Error:
             pass
         self.env.close()
+        self._writeback.close()
         for fd in {self._direct_fd, self._direct_fd0} - {None}:
             os.close(fd)
         self._direct_fd = self._direct_fd0 = None
+
+
+class _WritebackKicker:
+    """While a commit runs (``with kicker: txn.commit()``), a thread has the kernel start writing the
+    file's dirty pages every WRITEBACK_KICK_S (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which starts
+    writeback and waits for nothing).
+
+    LMDB's commit copies the transaction's pages into the page cache, then fsyncs: the device idles
+    while the copy runs, and the CPU while the fsync waits. Started early, the writes overlap the copy
+    (measured, LMDB alone in the daemon's pattern: 1.09-1.14 vs 0.90-0.92 GB/s in alternating runs). The
+    fsync at the end of the commit is unchanged, so what a commit makes durable is unchanged.
+    """
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self._fd: int | None = None
+        if enabled:
+            try:
+                self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                self._fd = None
+        self._active = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _WritebackKicker:
+        if self._fd is not None:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tierkv-disk-writeback", daemon=True)
+                self._thread.start()
+            self._active.set()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._active.clear()
+
+    def _run(self) -> None:
+        while not self._closed:
+            if not self._active.wait(1.0):
+                continue
+            fd = self._fd
+            if fd is None or _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+                if fd is not None:
+                    log.info("disk writeback kick unavailable (errno %d); commits write at their fsync",
+                             ctypes.get_errno())
+                self._fd = None
+                self._active.clear()
+                if fd is not None:
+                    os.close(fd)
+                return
+            time.sleep(WRITEBACK_KICK_S)
+
+    def close(self) -> None:
+        self._closed = True
+        self._active.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 # LMDB 0.9 on-disk format (mdb.c), 64-bit little-endian: a page starts with pgno u64, pad u16, flags u16,
