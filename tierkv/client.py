@@ -112,9 +112,26 @@ class Lease:
         self.release()
 
 
-# A durable put larger than this is sent in chunks of this size, each chunk's copy overlapping the
-# disk write of the one before.
+# A durable put larger than DURABLE_FIRST_CHUNK_BYTES is sent in chunks, each chunk's copy overlapping
+# the disk write of the ones before. The chunks grow from the first size to DURABLE_CHUNK_BYTES: a small
+# first chunk reaches the disk writer after a short copy, which idles less between two durable puts.
+DURABLE_FIRST_CHUNK_BYTES = 4 << 20
 DURABLE_CHUNK_BYTES = 32 << 20
+
+
+def _durable_chunks(n: int, block_bytes: int) -> list[tuple[int, int]]:
+    """(lo, hi) ranges of a streamed durable put of ``n`` blocks: doubling from the first chunk size."""
+    top = max(1, DURABLE_CHUNK_BYTES // block_bytes)
+    size = min(top, max(1, DURABLE_FIRST_CHUNK_BYTES // block_bytes))
+    out, lo = [], 0
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo += size
+        size = min(top, size * 2)
+    first = out[0][1]
+    if len(out) > 1 and out[-1][1] - out[-1][0] <= first:  # a tail no longer than the first chunk rides along
+        out[-2:] = [(out[-2][0], n)]
+    return out
 
 
 class Client:
@@ -306,15 +323,15 @@ class Client:
         src = self._check_blocks(blocks, len(keys))
         if not keys:
             return 0
-        chunk = max(1, DURABLE_CHUNK_BYTES // self.layout.block_bytes)
-        if not durable or len(keys) <= chunk:
+        chunks = _durable_chunks(len(keys), self.layout.block_bytes) if durable else []
+        if len(chunks) <= 1:
             return self._put_host(keys, src, durable, True)
         # A large durable put streams: each chunk's disk write is queued at its commit, and the copy of
         # the next chunk overlaps it; one SYNC then waits for them all.
         new = 0
         try:
-            for lo in range(0, len(keys), chunk):
-                new += self._put_host(keys[lo:lo + chunk], src[lo:lo + chunk], True, False)
+            for lo, hi in chunks:
+                new += self._put_host(keys[lo:hi], src[lo:hi], True, False)
         except BaseException:
             try:
                 self._call(Op.SYNC, {})  # leave no pending write behind for a later put to report
