@@ -4,9 +4,10 @@
 (a) numpy memcpy bandwidth (one 512 MiB copy, and the same bytes as 2 MiB copies);
 (b) host-tier put/get through the client, 256 blocks of a Llama-3-8B layout (32 layers, 8 kv heads,
     head dim 128, 16 tokens, bf16: 2 MiB a block);
-(c) dd oflag=direct / iflag=direct sequential write/read of the data dir's disk, once up front and once
-    beside each disk-tier write (after) and cold read (before) (the virtual disk's speed drifts by 2x within
-    minutes, so the targets are judged on those pairs); LMDB alone with the daemon's write pattern; the
+(c) dd oflag=direct / iflag=direct sequential write/read of the data dir's disk, once up front and
+    just before and just after each disk-tier write and cold read, each run after a pause of SETTLE_S
+    (the virtual disk's speed drifts by 2x within minutes, so the targets are judged against the mean of
+    the two dd runs beside each tier run); LMDB alone with the daemon's write pattern; the
     encoder and the decoder alone on 1 thread and on the pools' threads; and from their CPU costs the CPU
     ceiling of a durable write on this machine's cores;
 (d) disk-tier write (durable puts: encoded, written, fsynced) and read by a restarted daemon, warm (the
@@ -132,6 +133,20 @@ def dd(f: Path, op: str, src: Path | None = None) -> float:
     return (512 << 20) / float(_DD_RATE.search(p.stderr).group(1)) / GB
 
 
+SETTLE_S = 1.0
+
+
+def _settle() -> None:
+    """Flush dirty pages and pause: the virtual disk finishes writing what the last run left in its cache."""
+    os.sync()
+    time.sleep(SETTLE_S)
+
+
+def _settled(fn, *args):
+    _settle()
+    return fn(*args)
+
+
 def dd_ref(path: Path, reps: int) -> dict:
     f = path / "dd.bin"
     w, r = [], []
@@ -143,22 +158,35 @@ def dd_ref(path: Path, reps: int) -> dict:
 
 
 _LMDB_REF = r"""
-import lmdb, os, sys, time, numpy as np
+import ctypes, lmdb, os, sys, threading, time, numpy as np
 d, reps = sys.argv[1], int(sys.argv[2])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+committing = threading.Event()
+def kick():  # as the tier does: start writeback while a commit copies its pages
+    fd = os.open(d + "/data.mdb", os.O_RDONLY)
+    while True:
+        committing.wait()
+        libc.sync_file_range(fd, 0, 0, 2)
+        time.sleep(0.0005)
 vals = [np.random.default_rng(i).integers(0, 255, 2 << 20, dtype=np.uint8).tobytes() for i in range(24)]
 opts = dict(map_size=2 << 30, sync=True, metasync=False, readahead=False, meminit=False)
 env = lmdb.open(d, **opts)
 env.close()
 fd = os.open(d + "/data.mdb", os.O_RDWR); os.posix_fallocate(fd, 0, 2 << 30); os.close(fd)
 env = lmdb.open(d, **opts)
+threading.Thread(target=kick, daemon=True).start()
 out, cpu = [], []
 for r in range(reps + 1):  # the first pass writes into fresh extents (the tier's first fill): not counted
     c, t = time.process_time(), time.perf_counter()
     for job in range(4):  # as the daemon writes 4 durable puts of 64 blocks: transactions of <= 24 values
         for lo in range(0, 64, 24):  # (48 MiB), data synced at each commit, one sync at the end of a job
-            with env.begin(write=True) as txn:
-                for j in range(lo, min(64, lo + 24)):
-                    txn.put(b"%d-%d-%d" % (r, job, j), vals[j % 24])
+            txn = env.begin(write=True)
+            for j in range(lo, min(64, lo + 24)):
+                txn.put(b"%d-%d-%d" % (r, job, j), vals[j % 24])
+            committing.set()
+            txn.commit()
+            committing.clear()
         env.sync(True)
     if r:
         out.append(256 * (2 << 20) / (time.perf_counter() - t) / 1e9)
@@ -175,7 +203,8 @@ print(" ".join(map(str, cpu)))
 
 def lmdb_ref(tmp: Path, reps: int) -> dict:
     """LMDB alone: the daemon's durable write pattern (transactions of up to 24 x 2 MiB, data synced at
-    each commit, one sync per 64-block put, metasync off) of incompressible 2 MiB values into a
+    each commit with writeback started during the commit's copy, one sync per 64-block put, metasync
+    off) of incompressible 2 MiB values into a
     preallocated file, with the daemon's allocator tunables: the ceiling of any LMDB-backed tier on this
     disk. Also its CPU seconds per GB written (the writer's share of the cores)."""
     from tierkv.cli import _TUNABLES
@@ -286,14 +315,17 @@ def disk_bench(tmp: Path, blocks: torch.Tensor, reps: int, codec: str) -> dict:
             fills.append(blocks.numel() * 2 / (time.perf_counter() - t) / GB)
             c.delete(fill)  # a full cache evicts: the next writes reuse these pages (steady state)
             keys = c.block_keys(rng.integers(0, 50000, N * 16))
+            # The references just before and just after (the disk's speed drifts), each run after a pause
+            # so that none inherits the virtual disk's flush of the run before it; the tier is compared
+            # with the mean of the two.
+            before = [_settled(dd, ddf, "write"), _settled(dd, ddkv, "write", shm)]
+            _settle()
             t = time.perf_counter()
             for i in range(0, N, 64):  # durable: returns once encoded, written and fsynced
                 c.put(keys[i:i + 64], blocks[i:i + 64], durable=True)
             writes.append(blocks.numel() * 2 / (time.perf_counter() - t) / GB)
-            # The reference right after (the disk's speed drifts; a dd write just before would leave the
-            # virtual disk flushing its own cache during the tier's write).
-            dd_write.append(dd(ddf, "write"))
-            dd_write_kv.append(dd(ddkv, "write", shm))
+            dd_write.append((before[0] + _settled(dd, ddf, "write")) / 2)
+            dd_write_kv.append((before[1] + _settled(dd, ddkv, "write", shm)) / 2)
             ratio = c.stats()["tiers"]["disk"]["compression_ratio"]
             c.delete(keys)  # leave nothing in host: the next daemon reads only from disk
             c.put(keys, blocks, durable=True)
@@ -309,9 +341,11 @@ def disk_bench(tmp: Path, blocks: torch.Tensor, reps: int, codec: str) -> dict:
         after_scan = resident_bytes(mdb)
         _drop_cache(mdb)  # again: pages the scan only read (not those the daemon maps) go too
         before_cold = resident_bytes(mdb)
-        dd_read.append(dd(ddf, "read"))  # the references, right before
-        dd_read_kv.append(dd(ddkv, "read"))
+        before = [_settled(dd, ddf, "read"), _settled(dd, ddkv, "read")]  # the references, before and after
+        _settle()
         cold.append(read_all(keys))
+        dd_read.append((before[0] + _settled(dd, ddf, "read")) / 2)
+        dd_read_kv.append((before[1] + _settled(dd, ddkv, "read")) / 2)
         d.stop()
         # The same device reads without the tier, right after: each value with one O_DIRECT read, as many
         # in flight as the daemon's loads, 64 values a batch; no decode, no client.
@@ -646,16 +680,16 @@ def report(r: dict) -> None:
                          {"best": d["cpu_ceiling"], "median": d["cpu_ceiling"]}, ddw, None))
         for d in r["disk"]:
             rows += [(f"disk write durable, first fill, {d['codec']}", d["first_fill"], ddw, None),
-                     (f"  dd write right after each steady write, {d['codec']}", d["dd_write"], ddw, None),
+                     (f"  dd write beside each steady write (mean of before and after), {d['codec']}", d["dd_write"], ddw, None),
                      (f"disk write durable, steady, {d['codec']} ({d['ratio']:.2f}x)", d["write"],
                       d["write"]["best"] / d["write_vs_dd"], 1.0),
-                     (f"  dd write of the same KV bytes, right after, {d['codec']}", d["dd_write_kv"], ddw, None),
+                     (f"  dd write of the same KV bytes, beside it, {d['codec']}", d["dd_write_kv"], ddw, None),
                      (f"disk write durable, steady, {d['codec']}, vs dd of the KV bytes", d["write"],
                       d["write"]["best"] / d["write_vs_dd_kv"], 1.0),
-                     (f"  dd read right before each cold read, {d['codec']}", d["dd_read"], ddr, None),
+                     (f"  dd read beside each cold read (mean of before and after), {d['codec']}", d["dd_read"], ddr, None),
                      (f"  the same reads alone (O_DIRECT, {LOAD_THREADS} in flight), {d['codec']}", d["value_reads"],
                       ddr, None),
-                     (f"  dd read of the same KV bytes, right before, {d['codec']}", d["dd_read_kv"], ddr, None),
+                     (f"  dd read of the same KV bytes, beside it, {d['codec']}", d["dd_read_kv"], ddr, None),
                      (f"disk read cold (from the device), {d['codec']}", d["read_cold"],
                       d["read_cold"]["best"] / d["read_cold_vs_dd"], 1.0),
                      (f"disk read cold (from the device), {d['codec']}, vs dd of the KV bytes", d["read_cold"],
