@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tierkv.tiers import disk as disk_module
 from tierkv.tiers.disk import PAGE, DiskTier
 
 SIZES = [0, 1, 100, 1500, 2100, 4000, 9000, 70000]
@@ -108,5 +109,57 @@ def test_scan_reads_headers_only(tmp_path: Path) -> None:
         assert seen == 40
         assert _resident(data) < 4 << 20  # headers and B-tree pages, not 40 MiB of values
         assert tier.read(b"k007", len) == 1 << 20
+    finally:
+        tier.close()
+
+
+def _mapped_rss(name: str) -> int:
+    """Bytes of this process's mappings of files called ``name`` that are resident (/proc/self/smaps)."""
+    total, current = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                current = line.rstrip().endswith(name)
+            elif current and line.startswith("Rss:"):
+                total += int(head[1]) * 1024
+    return total
+
+
+def test_values_read_in_place_do_not_stay_mapped(tmp_path: Path, monkeypatch) -> None:
+    """Reads use values in place through the tier's mapping, and the mapping's pages are dropped from
+    the process every MAPPED_BUDGET bytes read: the daemon's RSS does not grow with every page of the
+    file it ever read (the page cache keeps them)."""
+    monkeypatch.setattr(disk_module, "MAPPED_BUDGET", 8 << 20)
+    tier = DiskTier(tmp_path / "disk", 256 << 20)
+    try:
+        values = {b"v%03d" % i: os.urandom(1 << 20) for i in range(32)}
+        tier.write(list(values.items()))
+        tier.flush()
+        peak = 0
+        for _ in range(2):  # the second pass maps the pages again: reads stay correct
+            for key, value in values.items():
+                assert tier.read(key, bytes) == value
+                peak = max(peak, _mapped_rss("data.mdb"))
+        assert 1 << 20 < peak < 12 << 20  # in place (mapped), but never 32 MiB of values at once
+        assert sum(1 for _ in tier.scan()) == 32
+        assert _mapped_rss("data.mdb") < 2 << 20  # the scan drops what it touched
+    finally:
+        tier.close()
+
+
+def test_lmdb_map_pages_are_dropped_too(tmp_path: Path, monkeypatch) -> None:
+    """LMDB's own mapping of the file (B-tree pages, pages it reads) is dropped on the same budget."""
+    monkeypatch.setattr(disk_module, "MAPPED_BUDGET", 8 << 20)
+    tier = DiskTier(tmp_path / "disk", 256 << 20)
+    try:
+        assert tier._env_map is not None
+        for r in range(6):
+            keys = [b"r%d-%02d" % (r, i) for i in range(8)]
+            tier.write([(k, os.urandom(1 << 20)) for k in keys])
+            with tier.env.begin(buffers=True) as txn:
+                for k in keys:
+                    assert len(txn.get(k)) == 1 << 20  # touches every page of the value in LMDB's map
+        assert _mapped_rss("data.mdb") < 16 << 20  # not the 48 MiB LMDB's reads mapped
     finally:
         tier.close()
