@@ -398,6 +398,16 @@ def test_map_full_is_an_error_reads_go_on_and_writes_resume(daemon_factory):
     assert d.proc.poll() is None
 
 
+def _assert_lmdb_holds(d, blocks: int) -> None:
+    """Kill the daemon and check that its LMDB holds exactly the ``blocks`` its table counted."""
+    d.kill()
+    env = lmdb.open(disk_dir(d), readonly=True, subdir=True)
+    try:
+        assert env.stat()["entries"] == blocks
+    finally:
+        env.close()
+
+
 def test_failed_disk_write_keeps_the_table_and_lmdb_in_step(daemon_factory):
     d = daemon_factory(MAP_ARGS, env=FAST_ENV)
     with d.client(layout=BIG) as c:
@@ -405,12 +415,7 @@ def test_failed_disk_write_keeps_the_table_and_lmdb_in_step(daemon_factory):
         assert err is not None
         _fill(c, "map-after", 2, per=4)
         blocks = c.stats()["tiers"]["disk"]["blocks"]
-    d.kill()
-    env = lmdb.open(disk_dir(d), readonly=True, subdir=True)
-    try:
-        assert env.stat()["entries"] == blocks
-    finally:
-        env.close()
+    _assert_lmdb_holds(d, blocks)
 
 
 def test_a_job_failing_after_its_first_transaction_keeps_the_table_and_lmdb_in_step(daemon_factory):
@@ -425,12 +430,7 @@ def test_a_job_failing_after_its_first_transaction_keeps_the_table_and_lmdb_in_s
             failed += err is not None
         blocks = c.stats()["tiers"]["disk"]["blocks"]
     assert failed and blocks  # both happened
-    d.kill()
-    env = lmdb.open(disk_dir(d), readonly=True, subdir=True)
-    try:
-        assert env.stat()["entries"] == blocks
-    finally:
-        env.close()
+    _assert_lmdb_holds(d, blocks)
 
 
 # ---- EIO through the fault shim -----------------------------------------------------------------------

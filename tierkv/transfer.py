@@ -157,16 +157,16 @@ class TransferEngine:
         streamed put's first chunks, many one-block puts) cost more than one of their total size."""
         if not job.moves:
             return []
-        size = sum(m.view.nbytes for m in job.moves)
+        size, count = sum(m.view.nbytes for m in job.moves), len(job.moves)
         taken: list[Job] = []
         with self._stores.mutex:
             q = self._stores.queue
-            while q and q[0] is not None and q[0].moves and \
-                    size + sum(m.view.nbytes for m in q[0].moves) <= self.write_batch_bytes and \
-                    sum(len(j.moves) for j in taken) + len(job.moves) + len(q[0].moves) <= self.write_batch:
-                nxt = q.popleft()
-                size += sum(m.view.nbytes for m in nxt.moves)
-                taken.append(nxt)
+            while q and q[0] is not None and q[0].moves:
+                more = sum(m.view.nbytes for m in q[0].moves)
+                if size + more > self.write_batch_bytes or count + len(q[0].moves) > self.write_batch:
+                    break
+                size, count = size + more, count + len(q[0].moves)
+                taken.append(q.popleft())
         return taken
 
     def _sync(self, jobs: list[tuple[Job, float]]) -> None:

@@ -141,7 +141,6 @@ class DiskTier:
         self.env.reader_check()
         self._write_lock = threading.Lock()
         self._allocated = self.file_bytes()
-        self._writeback = _WritebackKicker(self.path / "data.mdb", enabled=sync)
         self._mapped_bytes = 0  # read in place or written since the mappings' pages were last dropped
         self._dropped_at = time.monotonic()
         self._env_map_size = (self.env.info()["map_size"] + PAGE - 1) & ~(PAGE - 1)
@@ -157,6 +156,7 @@ class DiskTier:
         # Small values are copied out with pread: used in place they would map their pages and, by the
         # kernel's fault-around, 64 KiB of cached neighbours each.
         self._read_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW)
+        self._writeback = _WritebackKicker(self._read_fd if sync else None)
 
     def scan(self) -> Iterator[tuple[bytes, memoryview]]:
         """Every (key, value) pair of one snapshot; values are only valid during iteration.
@@ -207,7 +207,7 @@ class DiskTier:
                     raise
                 with self._writeback:
                     txn.commit()
-                self._used_in_place(sum(len(v) for _, v in puts) + FAULT_AROUND * (len(puts) + len(deletes)))
+                self._count_mapped(sum(len(v) for _, v in puts) + FAULT_AROUND * (len(puts) + len(deletes)))
             except lmdb.MapFullError:
                 raise TierFull("disk tier map is full") from None
             except lmdb.Error as exc:
@@ -291,7 +291,7 @@ class DiskTier:
                         log.debug("disk read: the value read by the page map failed; reading through LMDB")
                     finally:
                         if mapped:
-                            self._used_in_place(len(value) + FAULT_AROUND)
+                            self._count_mapped(len(value) + FAULT_AROUND)
                 value = txn.get(key)
                 if value is None:
                     return None
@@ -299,11 +299,11 @@ class DiskTier:
                 try:
                     return use(value)
                 finally:
-                    _unmap_pages(value)
+                    self._count_mapped(len(value) + FAULT_AROUND)  # LMDB's map: dropped on the same budget
         except (lmdb.Error, OSError) as exc:
             raise _classify(exc) from None
 
-    def _used_in_place(self, nbytes: int) -> None:
+    def _count_mapped(self, nbytes: int) -> None:
         """Count bytes read or written; past MAPPED_BUDGET, or MAPPED_DROP_S after the last time, drop
         the pages of both mappings of the file from the process: the tier's own (values read in
         place) and LMDB's (the B-tree pages and the first page of every value it looked at, with the
@@ -402,13 +402,8 @@ class _WritebackKicker:
     fsync at the end of the commit is unchanged, so what a commit makes durable is unchanged.
     """
 
-    def __init__(self, path: Path, enabled: bool = True) -> None:
-        self._fd: int | None = None
-        if enabled:
-            try:
-                self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError:
-                self._fd = None
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd  # the data file, owned by the tier (None: off)
         self._active = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -435,8 +430,6 @@ class _WritebackKicker:
                              ctypes.get_errno())
                 self._fd = None
                 self._active.clear()
-                if fd is not None:
-                    os.close(fd)
                 return
             time.sleep(WRITEBACK_KICK_S)
 
@@ -445,9 +438,7 @@ class _WritebackKicker:
         self._active.set()
         if self._thread is not None:
             self._thread.join(2.0)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._fd = None
 
 
 # LMDB 0.9 on-disk format (mdb.c), 64-bit little-endian: a page starts with pgno u64, pad u16, flags u16,
