@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from . import protocol
-from .config import default_socket
 from .errors import BadRequest, ConnectionFailed, KeyMissing, TierKVError, error_from_code
 from .keys import Namespace, chain_keys
 from .layout import Layout, numpy_view_dtype
 from .lookup_index import ClientIndex
 from .lookup_index import available as lookup_index_available
+from .paths import default_socket
 from .protocol import Op
 
 try:  # streaming-store copy (native/ntcopy.c): ~2x numpy for 2 MiB slots on machines like ours

@@ -13,18 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
+from .paths import default_runtime_dir, default_socket  # noqa: F401 - re-exported for the daemon and CLI
 from .units import parse_size
-
-
-def default_runtime_dir() -> Path:
-    """Where the daemon's socket lives by default: ``$XDG_RUNTIME_DIR/tierkv`` or ``/tmp/tierkv-<uid>``."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(base) / "tierkv" if base else Path(f"/tmp/tierkv-{os.getuid()}")
-
-
-def default_socket() -> str:
-    """The socket path clients and the daemon use when none is given (``TIERKV_SOCKET`` overrides)."""
-    return os.environ.get("TIERKV_SOCKET") or str(default_runtime_dir() / "tierkv.sock")
 
 
 @dataclass
