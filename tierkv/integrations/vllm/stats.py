@@ -1,0 +1,77 @@
+"""The connector's counters in vLLM's stats: its periodic log line and its Prometheus ``/metrics``
+(``vllm:tierkv_*``, one series per engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from .transfer import Counters
+
+__all__ = ["TierKVConnectorStats", "TierKVPromMetrics"]
+
+# counter field -> (Prometheus name, help)
+_PROM = {
+    "hit_tokens": ("vllm:tierkv_hit_tokens", "Prompt tokens whose KV tierkv served into vLLM."),
+    "stored_tokens": ("vllm:tierkv_stored_tokens", "Tokens whose KV vLLM handed to tierkv."),
+    "new_blocks": ("vllm:tierkv_new_blocks", "Blocks stored that tierkv did not hold yet."),
+    "load_s": ("vllm:tierkv_load_seconds", "Seconds spent loading KV from tierkv."),
+    "store_s": ("vllm:tierkv_store_seconds", "Seconds spent storing KV into tierkv."),
+    "load_errors": ("vllm:tierkv_load_errors", "Blocks that could not be loaded (vLLM recomputed them)."),
+    "store_errors": ("vllm:tierkv_store_errors", "Blocks that could not be stored (daemon absent or full)."),
+}
+
+
+@dataclass
+class TierKVConnectorStats(KVConnectorStats):
+    """The workers' :class:`~tierkv.integrations.vllm.transfer.Counters`, summed."""
+
+    def _counters(self) -> Counters:
+        c = Counters()
+        c.add(self.data)
+        return c
+
+    def reset(self) -> None:
+        """Start from zero."""
+        self.data = Counters().as_dict()
+
+    def aggregate(self, other: KVConnectorStats) -> TierKVConnectorStats:
+        """Add another interval's or worker's counters."""
+        c = self._counters()
+        c.add(other.data)
+        self.data = c.as_dict()
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's totals, as vLLM's log line shows them."""
+        c = self._counters()
+        return {"hit_tokens": c.hit_tokens, "stored_tokens": c.stored_tokens, "load_ms": round(c.load_s * 1e3, 1),
+                "store_ms": round(c.store_s * 1e3, 1), "load_errors": c.load_errors,
+                "store_errors": c.store_errors}
+
+    def is_empty(self) -> bool:
+        """Nothing happened in the interval."""
+        return not any(self.data.get(k) for k in _PROM)
+
+
+class TierKVPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters fed from :class:`TierKVConnectorStats`."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            field: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                                            per_engine_labelvalues)
+            for field, (name, doc) in _PROM.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's counters."""
+        for field, per_engine in self._counters.items():
+            value = transfer_stats_data.get(field, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
