@@ -376,7 +376,7 @@ def test_demo_json_against_a_running_daemon(smol, daemon, tmp_path):
 
     f = tmp_path / "turns.txt"
     f.write_text("How much does it cost to join?\nWhen is the library open?\n")
-    r = CliRunner().invoke(demo, ["--socket", daemon.socket, "--json", "--prompt-file", str(f),
+    r = CliRunner().invoke(demo, ["--engine", "transformers", "--socket", daemon.socket, "--json", "--prompt-file", str(f),
                                   "--max-new-tokens", "4"])
     assert r.exit_code == 0, r.output
     turns = json.loads(r.stdout)

@@ -1,0 +1,234 @@
+"""tierkv as vLLM's KV cache: vLLM's real CPU build, the real model, a real daemon.
+
+One daemon and one vLLM OpenAI server serve the module (a vLLM start costs most of a minute); tests that
+need a second server, a restart or an offline engine start their own. ``VLLM_SERVER_DEV_MODE`` lets a
+test empty vLLM's own prefix cache, so the next request can only find its prefix in tierkv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tierkv.codecs import read_header
+from tierkv.integrations.model import MODEL_ID, ensure_converted
+from tierkv.integrations.vllm.launch import VllmServer, connector_config
+from tierkv.integrations.vllm.plan import salt_root
+from tierkv.keys import Namespace, chain_keys
+from tierkv.layout import Layout
+
+from .conftest import Daemon
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(900)]
+
+# SmolLM2-135M in vLLM on the CPU: 30 layers, 3 KV heads of 64, 128-token blocks, float32.
+LAYOUT = Layout(num_layers=30, num_kv_heads=3, head_dim=64, block_tokens=128, dtype="float32")
+BT = LAYOUT.block_tokens
+DEV = {"VLLM_SERVER_DEV_MODE": "1"}
+# A small vLLM cache (12 blocks of 128 tokens) so concurrent requests preempt each other.
+VLLM_BLOCKS = 12
+DAEMON_ARGS = ["--host-capacity", "512MiB", "--disk-capacity", "2GiB", "--slab-bytes", "32MiB"]
+
+
+def system_prompt(topic: str) -> str:
+    rules = [f"Rule {i}: members of the {topic} library return items within {i + 2} days and clean them."
+             for i in range(30)]
+    return f"You are the assistant of the {topic} tool library. " + " ".join(rules)
+
+
+def chat(topic: str, question: str = "How do I join?") -> list[dict[str, str]]:
+    return [{"role": "system", "content": system_prompt(topic)}, {"role": "user", "content": question}]
+
+
+def metric(server: VllmServer, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+class Stack:
+    """The module's daemon and vLLM server."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.model_dir = str(ensure_converted())
+        self.daemon = Daemon(work / "daemon", DAEMON_ARGS)
+        self.daemon.workdir.mkdir(parents=True, exist_ok=True)
+        self.daemon.start()
+        self.server = self.new_server("a").start()
+
+    def new_server(self, name: str, **kw) -> VllmServer:
+        return VllmServer(self.model_dir, self.daemon.socket, self.work / f"vllm-{name}.log", num_blocks=VLLM_BLOCKS,
+                          env=DEV, **kw)
+
+    def close(self) -> None:
+        self.server.stop()
+        self.daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Stack:
+    s = Stack(tmp_path_factory.mktemp("vllm"))
+    yield s
+    s.close()
+
+
+def blocks(stack: Stack) -> int:
+    return sum(t["blocks"] for t in stack.daemon.stats()["tiers"].values())
+
+
+def test_prompt_shorter_than_a_block_is_answered_and_stores_nothing(stack):
+    before = blocks(stack)
+    r = stack.server.chat([{"role": "user", "content": "Hi!"}], max_tokens=8)
+    assert r.text and r.prompt_tokens < BT and r.cached_tokens == 0
+    assert blocks(stack) == before
+
+
+def test_a_request_loads_its_prefix_from_tierkv_with_identical_output(stack):
+    msgs = chat("harbour")
+    first = stack.server.chat(msgs)
+    assert first.cached_tokens == 0
+    stack.server.reset_prefix_cache()  # vLLM's own cache is empty: only tierkv has the prefix
+    again = stack.server.chat(msgs)
+    assert again.text == first.text
+    assert again.cached_tokens == (first.prompt_tokens - 1) // BT * BT > 0
+    deadline = time.monotonic() + 20  # the connector's counters reach vLLM's /metrics with its stats
+    while metric(stack.server, "vllm:tierkv_hit_tokens") < again.cached_tokens and time.monotonic() < deadline:
+        stack.server.chat([{"role": "user", "content": "Hi"}], max_tokens=1)
+        time.sleep(0.5)
+    assert metric(stack.server, "vllm:tierkv_hit_tokens") >= again.cached_tokens
+    assert metric(stack.server, "vllm:tierkv_stored_tokens") > 0
+
+
+def test_cache_salt_keeps_tenants_apart(stack):
+    msgs = chat("orchard")
+    plain = stack.server.chat(msgs)
+    stack.server.reset_prefix_cache()
+    salted = stack.server.chat(msgs, salt="tenant-a")
+    assert salted.cached_tokens == 0 and salted.text == plain.text  # another tenant's blocks are not seen
+    stack.server.reset_prefix_cache()
+    assert stack.server.chat(msgs, salt="tenant-a").cached_tokens > 0  # its own are
+    stack.server.reset_prefix_cache()
+    assert stack.server.chat(msgs, salt="tenant-b").cached_tokens == 0
+    ns = Namespace(MODEL_ID, LAYOUT)
+    assert salt_root(ns.fingerprint, "tenant-a") != salt_root(ns.fingerprint, "tenant-b")
+
+
+def test_two_servers_share_one_daemon(stack):
+    msgs = chat("lighthouse")
+    on_a = stack.server.chat(msgs)
+    with stack.new_server("b") as b:
+        on_b = b.chat(msgs)  # B has never seen this prompt: its prefix comes from A's blocks
+    assert on_b.cached_tokens > 0 and on_b.text == on_a.text
+
+
+def test_blocks_survive_a_vllm_restart(stack):
+    msgs = chat("canal")
+    before = stack.server.chat(msgs)
+    stack.server.stop()
+    stack.server = stack.new_server("a2").start()
+    after = stack.server.chat(msgs)
+    assert after.cached_tokens > 0 and after.text == before.text
+
+
+OFFLINE = r"""
+import json, os, sys
+from vllm import LLM, SamplingParams
+def main():
+    model, kv, msgs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1408, kv_transfer_config=kv)
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=32))[0]
+    print("RESULT " + json.dumps({"text": out.outputs[0].text, "cached": out.num_cached_tokens}))
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_offline_llm_in_another_process_reloads_the_servers_blocks(stack):
+    msgs = chat("quarry")
+    served = stack.server.chat(msgs)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, "-c", OFFLINE, stack.model_dir,
+                        json.dumps(connector_config(stack.daemon.socket)), json.dumps(msgs)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    got = json.loads(lines[-1][7:])
+    assert got["cached"] == served.cached_tokens or got["cached"] >= (served.prompt_tokens - 1) // BT * BT
+    assert got["cached"] > 0 and got["text"] == served.text
+
+
+def _lmdb_key(stack: Stack, msgs, block: int) -> bytes:
+    fp = Namespace(MODEL_ID, LAYOUT).fingerprint
+    return fp + chain_keys(fp, stack.server.tokenize(msgs), BT)[block]
+
+
+def test_a_corrupt_disk_block_is_recomputed_with_identical_output(stack):
+    msgs = chat("foundry")
+    first = stack.server.chat(msgs)
+    assert first.prompt_tokens > 3 * BT
+    key = _lmdb_key(stack, msgs, 1)
+    stack.daemon.stop()  # SIGTERM: host blocks are flushed to the disk tier
+    env = lmdb.open(os.path.join(stack.daemon.data_dir, "disk"), subdir=True, map_size=1 << 32)
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(key))
+        value[read_header(bytes(value)).header_len + 64] ^= 0x40  # payload damage: caught when read
+        txn.put(key, bytes(value))
+    env.close()
+    stack.daemon.start()
+    stack.server.reset_prefix_cache()
+    again = stack.server.chat(msgs)
+    assert again.text == first.text
+    assert stack.daemon.stats()["tiers"]["disk"]["corrupt"] >= 1
+
+
+def test_daemon_killed_mid_request_requests_are_still_answered(stack):
+    msgs = chat("mill")
+    ref = stack.server.chat(msgs, max_tokens=48)
+    stack.server.reset_prefix_cache()
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=stack.server.chat(msgs, max_tokens=48)))
+    t.start()
+    time.sleep(0.3)
+    stack.daemon.kill()
+    t.join(300)
+    assert result["r"].text == ref.text
+    for topic in ("bakery", "forge", "tannery"):  # served while the daemon is gone
+        assert stack.server.chat(chat(topic), max_tokens=8).text
+    stack.daemon.start()
+    msgs2 = chat("ropewalk")
+    first = stack.server.chat(msgs2)  # the connector finds the new daemon by itself
+    stack.server.reset_prefix_cache()
+    assert stack.server.chat(msgs2).cached_tokens > 0 and first.text
+    log = stack.server.log_path.read_text()
+    assert log.count("tierkv: lost the daemon") + log.count("tierkv: daemon not reachable") <= 2
+
+
+def test_preempted_requests_resume_with_identical_output(stack):
+    questions = ["How do I join?", "What does it cost?", "Can I borrow a ladder?"]
+    convs = [chat("wharf", q) for q in questions]
+    alone = []
+    for m in convs:
+        stack.server.reset_prefix_cache()
+        alone.append(stack.server.chat(m, max_tokens=200))
+    preempted = metric(stack.server, "vllm:num_preemptions")
+    stack.server.reset_prefix_cache()
+    out: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i, m=m: out.update({i: stack.server.chat(m, max_tokens=200)}))
+               for i, m in enumerate(convs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert metric(stack.server, "vllm:num_preemptions") > preempted
+    assert [out[i].text for i in range(len(convs))] == [a.text for a in alone]
