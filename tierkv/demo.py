@@ -225,6 +225,8 @@ def format_tier_stats(stats: dict[str, Any]) -> str:
 
 
 @click.command("demo")
+@click.option("--engine", type=click.Choice(["vllm", "transformers"]), default="vllm", show_default=True,
+              help="vllm: vLLM's OpenAI server with tierkv as its KV connector; transformers: tierkv's own loop.")
 @click.option("--socket", help="Daemon socket path.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per turn.")
 @click.option("--turns", type=click.IntRange(min=1), default=None, help="Run only the first N turns.")
@@ -233,14 +235,17 @@ def format_tier_stats(stats: dict[str, Any]) -> str:
 @click.option("--max-new-tokens", type=click.IntRange(1, 512), default=32, show_default=True,
               help="Reply length cap per turn.")
 @click.option("--check", is_flag=True, help="Also generate each reply without tierkv and compare.")
-def demo(socket: str | None, as_json: bool, turns: int | None, prompt_file: str | None, max_new_tokens: int,
-         check: bool) -> None:
+def demo(engine: str, socket: str | None, as_json: bool, turns: int | None, prompt_file: str | None,
+         max_new_tokens: int, check: bool) -> None:
     """Run a multi-turn chat with SmolLM2-135M against a running daemon, showing prefix reuse."""
     script = read_turns(prompt_file)
     if turns is not None:
         if turns > len(script):
             raise click.BadParameter(f"only {len(script)} turns are available", param_hint="--turns")
         script = script[:turns]
+    if engine == "vllm":
+        _demo_vllm(socket, script, as_json, max_new_tokens)
+        return
     out = sys.stderr if as_json else sys.stdout
     t0 = time.perf_counter()
     reports, stats = run_chat(socket, script, max_new_tokens=max_new_tokens, check=check,
@@ -251,4 +256,23 @@ def demo(socket: str | None, as_json: bool, turns: int | None, prompt_file: str 
     click.echo(format_tier_stats(stats))
     click.echo(f"{len(reports)} turns in {time.perf_counter() - t0:.1f} s")
     if check and not all(r.matches_recompute for r in reports):
+        sys.exit(1)
+
+
+def _demo_vllm(socket: str | None, script: list[str], as_json: bool, max_new_tokens: int) -> None:
+    import tempfile
+
+    from .demo_vllm import format_vllm_turn, run_vllm_chat
+    from .integrations.model import ensure_converted
+    from .paths import default_socket
+
+    sock = socket or default_socket()
+    with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as logs:
+        out = sys.stderr if as_json else sys.stdout
+        reports = run_vllm_chat(str(ensure_converted(out=out)), sock, script, Path(logs), max_tokens=max_new_tokens,
+                                on_turn=None if as_json else (lambda r: click.echo(format_vllm_turn(r))),
+                                on_event=lambda m: click.echo(m, err=as_json))
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in reports], indent=2))
+    if not all(r.same_reply for r in reports):
         sys.exit(1)

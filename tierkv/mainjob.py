@@ -1,14 +1,17 @@
-"""``make run``: tierkv's main job, end to end on the embedded default config.
+"""``make run``: tierkv's main job, vLLM serving with tierkv as its KV cache, end to end on the
+embedded default config.
 
-1. convert the demo model on first use (progress shown; later runs load it in seconds);
+1. convert the demo model (SmolLM2-135M-Instruct) on first use;
 2. start the daemon (``python -m tierkv serve --config configs/default.toml``, data under ./.tierkv/)
    and wait until it answers;
-3. run the scripted multi-turn chat (:mod:`tierkv.demo`) and print, per turn, prompt tokens, tokens
-   served from tierkv and from which tier, TTFT with tierkv against recomputing, decode speed and
-   the reply; then the tier stats;
+3. start vLLM's OpenAI server (the CPU build) with ``TierKVConnector``, drive the scripted multi-turn
+   chat through its HTTP API as a client would (:mod:`tierkv.demo_vllm`), restart vLLM half-way, and
+   print per turn the prompt tokens, the tokens tierkv served (by tier), TTFT with tierkv against a
+   recompute of the same prompt, and the reply; then the tier stats;
 4. stop the daemon with SIGTERM (it flushes host blocks to disk) and check it exits 0.
 
-A second run finds the first run's blocks on the disk tier.
+A second run finds the first run's blocks on the disk tier. ``tierkv demo --engine transformers``
+runs the same chat through tierkv's own transformers loop.
 """
 
 from __future__ import annotations
@@ -91,43 +94,41 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 def main() -> int:
     """Run the main job; returns the process exit status."""
-    import torch
-
-    from .demo import TURNS, format_tier_stats, format_turn, run_chat
-    from .integrations.model import cache_dir, is_converted, load_model, sidecar_threads
-
-    torch.set_num_threads(sidecar_threads())
+    from .demo import TURNS, format_tier_stats
+    from .demo_vllm import format_vllm_turn, run_vllm_chat
+    from .integrations.model import cache_dir, ensure_converted, is_converted
 
     config = CONFIG if CONFIG.is_file() else None
     cfg = load_config(config)
     data_dir = ROOT / cfg.server.data_dir
     echo = click.echo
-    echo("tierkv main job: a multi-turn chat with SmolLM2-135M-Instruct whose turns reuse earlier KV")
+    echo("tierkv main job: vLLM serves a multi-turn chat (SmolLM2-135M-Instruct, CPU) with tierkv as its KV cache")
     echo(f"  model cache: {cache_dir()}{'' if is_converted() else ' (converting now, once)'}")
-    t0 = time.perf_counter()
-    tok, model = load_model(attn_implementation="sdpa", out=sys.stdout)
-    threads = torch.get_num_threads()
-    echo(f"  model loaded in {time.perf_counter() - t0:.1f} s ({threads} torch thread{'s' if threads > 1 else ''})")
-
+    model_dir = ensure_converted(out=sys.stdout)
     log_path = data_dir / "daemon.log"
     socket = cfg.socket_path
     proc = start_daemon(["--config", str(config)] if config else [], socket, log_path)
     echo(f"  daemon pid {proc.pid} ready on {socket} (config {config or 'built-in defaults'}, "
-         f"data {data_dir}, log {log_path})\n")
+         f"data {data_dir}, log {log_path})")
     ok = True
     try:
-        reports, stats = run_chat(socket, TURNS, max_new_tokens=32, check=True,
-                                  on_turn=lambda r: echo(format_turn(r)), model_and_tokenizer=(tok, model))
-        echo(format_tier_stats(stats))
-        later = reports[1:]
+        reports = run_vllm_chat(str(model_dir), socket, TURNS, data_dir, on_turn=lambda r: echo(format_vllm_turn(r)),
+                                on_event=lambda m: echo(f"  {m}\n"))
+        from .cli import _request
+
+        echo(format_tier_stats(_request(socket, "STATS")))
+        later = [r for r in reports if sum(r.tierkv_tokens.values())]
         if later:
             speed = statistics.median(r.speedup for r in later)
-            echo(f"\nturns 2-{len(reports)}: median TTFT {speed:.1f}x faster with tierkv; "
-                 f"{sum(r.cached_tokens for r in later)} of {sum(r.prompt_tokens for r in later)} prompt "
-                 "tokens served from tierkv")
-        if not all(r.matches_recompute for r in reports):
+            echo(f"\nturns served from tierkv: {len(later)} of {len(reports)}; median TTFT {speed:.1f}x faster than "
+                 f"recomputing; {sum(sum(r.tierkv_tokens.values()) for r in reports)} of "
+                 f"{sum(r.prompt_tokens for r in reports)} prompt tokens came from tierkv")
+        if not all(r.same_reply for r in reports):
             echo("some replies differ from recompute", err=True)
             ok = False
+    except RuntimeError as exc:
+        echo(f"vLLM failed: {exc}", err=True)
+        ok = False
     finally:
         rc = stop_daemon(proc)
         echo(f"daemon stopped with exit status {rc}" + ("" if rc == 0 else f":\n{_tail(log_path)}"))
