@@ -131,7 +131,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
-        link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size)
+        link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size,
+                    announce=False)  # the scheduler side says when the daemon goes and comes back
         self._transfers = Transfers(link, pages)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

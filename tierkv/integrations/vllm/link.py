@@ -35,10 +35,12 @@ class Link:
         tp_rank: this worker's tensor-parallel rank.
         tp_size: the tensor-parallel world size.
         clock: time source (seconds), for the backoff.
+        announce: log the daemon going and coming back as warnings (one side of the connector does,
+            so an outage costs one line); otherwise at debug level.
     """
 
     def __init__(self, socket: str | None, *, model: str, layout: Layout, tp_rank: int = 0, tp_size: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, announce: bool = True) -> None:
         self.socket = socket
         self._args = dict(model=model, layout=layout, tp_rank=tp_rank, tp_size=tp_size)
         self._clock = clock
@@ -48,6 +50,7 @@ class Link:
         self._was_up: bool | None = None
         self._lock = threading.Lock()
         self.failures = 0
+        self._level = logging.WARNING if announce else logging.DEBUG
 
     def get(self) -> Client | None:
         """The connected client, or None while the daemon cannot be reached (tried again after a pause)."""
@@ -66,12 +69,12 @@ class Link:
             self._next_try = self._clock() + self._delay
             self._delay = min(self._delay * 2, RETRY_MAX_S)
             if self._was_up is not False:
-                log.warning("tierkv: daemon not reachable (%s); vLLM recomputes until it is back", exc)
+                log.log(self._level, "tierkv: daemon not reachable (%s); vLLM recomputes until it is back", exc)
             self._was_up = False
             return
         self._delay = RETRY_FIRST_S
         if self._was_up is False:
-            log.warning("tierkv: daemon reachable again at %s", self._client.socket_path)
+            log.log(self._level, "tierkv: daemon reachable again at %s", self._client.socket_path)
         else:
             log.info("tierkv: connected to %s", self._client.socket_path)
         self._was_up = True
@@ -100,7 +103,7 @@ class Link:
             c, self._client = self._client, None
             self._next_try = self._clock() + (0.0 if retry_now else self._delay)
             if self._was_up:
-                log.warning("tierkv: lost the daemon (%s); vLLM recomputes until it is back", exc)
+                log.log(self._level, "tierkv: lost the daemon (%s); vLLM recomputes until it is back", exc)
             self._was_up = False
         if c is not None:
             try:

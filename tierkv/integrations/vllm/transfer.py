@@ -24,6 +24,8 @@ log = logging.getLogger("vllm.tierkv")
 
 __all__ = ["Counters", "Transfers"]
 
+WARN_EVERY_S = 60.0  # a failing store or load is logged at most this often (the counters count each)
+
 
 @dataclass(slots=True)
 class Counters:
@@ -60,6 +62,14 @@ class Transfers:
         self.pages = pages
         self.counters = Counters()
         self._errors: set[int] = set()
+        self._warned: dict[str, float] = {}
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(what, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned[what] = now
+            log.warning("tierkv: %s failed (%s); later failures in the next %.0f s are only counted",
+                        what, exc, WARN_EVERY_S)
 
     def load(self, loads: Sequence[BlockIO]) -> None:
         """Copy each request's blocks from tierkv into vLLM's pages; blocks that cannot be loaded are
@@ -71,7 +81,7 @@ class Transfers:
             try:
                 n = self.link.call(lambda c, io=io: self._load_one(c, io))
             except TierKVError as exc:
-                log.warning("tierkv: load of %d blocks failed (%s); vLLM recomputes them", len(io.keys), exc)
+                self._warn("a load (vLLM recomputes its blocks)", exc)
                 n = None
             n = n or 0
             self._fail(io.block_ids[n:])
@@ -99,7 +109,7 @@ class Transfers:
         try:
             new = self.link.call(lambda c: self._store(c, keys, ids))
         except TierKVError as exc:
-            log.warning("tierkv: store of %d blocks failed (%s)", len(keys), exc)
+            self._warn("a store", exc)
             new = None
         if new is None:
             self.counters.store_errors += len(keys)

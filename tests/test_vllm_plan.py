@@ -1,0 +1,193 @@
+"""The vLLM connector's plain parts against a real daemon, without vLLM: the scheduler-side planner,
+the worker-side transfers over CPU pages in vLLM's layout, the reconnecting link, and what an engine
+process imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from tierkv.integrations.vllm.link import Link
+from tierkv.integrations.vllm.pages import VllmPages
+from tierkv.integrations.vllm.plan import Planner, salt_root
+from tierkv.integrations.vllm.transfer import Transfers
+from tierkv.keys import Namespace, chain_keys
+from tierkv.layout import Layout
+
+# vLLM's CPU pages for a small model: 2 layers, 2 KV heads of 32, 32-token blocks.
+LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=32, dtype="float32")
+BT = LAYOUT.block_tokens
+
+
+@dataclass
+class Req:
+    """The attributes of a vLLM request the planner reads."""
+
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class Cached:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Step:
+    scheduled_new_reqs: list[NewReq]
+    scheduled_cached_reqs: Cached
+    num_scheduled_tokens: dict[str, int]
+
+
+def pages(num_blocks: int = 16, seed: int = 0) -> VllmPages:
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(num_blocks, 2, BT, 64, generator=g) for _ in range(2)]
+    return VllmPages(caches, 32)
+
+
+def link(daemon) -> Link:
+    return Link(daemon.socket, model="vllm-plan", layout=LAYOUT)
+
+
+def prefill(planner: Planner, req: Req, block_ids: list[int], computed: int = 0):
+    n = planner.matched_tokens(req, computed)
+    planner.allocated(req, block_ids, n)
+    step = Step([NewReq(req.request_id, (block_ids,), computed + n)], Cached(),
+                {req.request_id: req.num_tokens - computed - n})
+    return n, planner.step(step)
+
+
+def test_a_prefill_stores_full_blocks_and_a_second_request_loads_them_identically(daemon):
+    ns = Namespace("vllm-plan", LAYOUT)
+    src, dst = pages(seed=1), pages(seed=2)
+    tokens = list(range(1000, 1000 + 3 * BT + 5))  # 3 full blocks and a partial one
+    planner = Planner(link(daemon), ns, BT)
+    n, plan = prefill(planner, Req("a", tokens), [4, 9, 2, 7])
+    assert n == 0 and not plan.loads
+    assert [io.block_ids for io in plan.stores] == [[4, 9, 2]]
+    assert plan.stores[0].keys == chain_keys(ns.fingerprint, tokens, BT)[:3]
+    Transfers(link(daemon), src).store(plan.stores)
+
+    n, plan = prefill(planner, Req("b", tokens), [1, 3, 5, 6])
+    assert n == 3 * BT and [io.block_ids for io in plan.loads] == [[1, 3, 5]] and not plan.stores
+    t = Transfers(link(daemon), dst)
+    t.load(plan.loads)
+    assert not t.take_load_errors()
+    for a, b in ((4, 1), (9, 3), (2, 5)):
+        assert all(torch.equal(s[a], d[b]) for s, d in zip(src.caches, dst.caches))
+    assert t.take_counters().hit_tokens == 3 * BT
+
+
+def test_at_least_one_token_is_left_to_compute_and_short_prompts_store_nothing(daemon):
+    planner = Planner(link(daemon), Namespace("vllm-plan", LAYOUT), BT)
+    tokens = list(range(2 * BT))
+    _, plan = prefill(planner, Req("full", tokens), [0, 1])
+    Transfers(link(daemon), pages()).store(plan.stores)
+    # Two cached blocks, but the prompt is exactly two blocks: the last token must be computed.
+    assert planner.matched_tokens(Req("again", tokens), 0) == BT
+    _, plan = prefill(planner, Req("short", list(range(BT - 1))), [3])
+    assert not plan.stores and not plan.loads
+
+
+def test_cache_salt_starts_another_chain(daemon):
+    ns = Namespace("vllm-plan", LAYOUT)
+    planner = Planner(link(daemon), ns, BT)
+    tokens = list(range(500, 500 + 2 * BT + 1))
+    _, plan = prefill(planner, Req("t1", tokens, cache_salt="alpha"), [0, 1, 2])
+    Transfers(link(daemon), pages()).store(plan.stores)
+    assert plan.stores[0].keys[0] == chain_keys(ns.fingerprint, tokens, BT, salt_root(ns.fingerprint, "alpha"))[0]
+    assert planner.matched_tokens(Req("t2", tokens, cache_salt="alpha"), 0) == 2 * BT
+    assert planner.matched_tokens(Req("t3", tokens, cache_salt="beta"), 0) == 0
+    assert planner.matched_tokens(Req("t4", tokens), 0) == 0
+
+
+def test_decode_stores_each_block_as_it_fills_and_a_resumed_request_gets_new_block_ids(daemon):
+    planner = Planner(link(daemon), Namespace("vllm-plan", LAYOUT), BT)
+    req = Req("d", list(range(BT + 10)))
+    _, plan = prefill(planner, req, [5, 6])
+    assert [io.block_ids for io in plan.stores] == [[5]]
+    req.all_token_ids.extend(range(BT - 10))  # decode fills block 2
+    step = Step([], Cached(["d"], set(), [None], [2 * BT - 1]), {"d": 1})
+    assert [io.block_ids for io in planner.step(step).stores] == [[6]]
+    req.all_token_ids.extend(range(BT))  # preempted, resumed on other blocks: nothing stored twice
+    step = Step([], Cached(["d"], {"d"}, [([8, 9, 10],)], [3 * BT - 1]), {"d": 1})
+    assert [io.block_ids for io in planner.step(step).stores] == [[10]]
+    assert planner.finished(req) and len(planner) == 0
+
+
+def test_missing_blocks_are_load_errors_never_wrong_data(daemon):
+    ns = Namespace("vllm-plan", LAYOUT)
+    planner = Planner(link(daemon), ns, BT)
+    tokens = list(range(7000, 7000 + 3 * BT + 1))
+    _, plan = prefill(planner, Req("m1", tokens), [0, 1, 2, 3])
+    Transfers(link(daemon), pages()).store(plan.stores)
+    n, plan = prefill(planner, Req("m2", tokens), [4, 5, 6, 7])
+    assert n == 3 * BT
+    with daemon.client(model="vllm-plan", layout=LAYOUT) as c:
+        assert c.delete(plan.loads[0].keys[1:2]) == 1  # evicted between lookup and load
+    dst = pages(seed=5)
+    before = [c.clone() for c in dst.caches]
+    t = Transfers(link(daemon), dst)
+    t.load(plan.loads)
+    assert t.take_load_errors() == {5, 6}
+    assert all(torch.equal(b[5:7], c[5:7]) for b, c in zip(before, dst.caches))  # untouched
+
+
+def test_without_a_daemon_everything_is_a_miss_and_the_link_comes_back(daemon_factory, tmp_path):
+    d = daemon_factory(start=False)
+    lk = Link(d.socket, model="vllm-plan", layout=LAYOUT)
+    planner = Planner(lk, Namespace("vllm-plan", LAYOUT), BT)
+    assert planner.matched_tokens(Req("x", list(range(3 * BT))), 0) == 0
+    t = Transfers(lk, pages())
+    _, plan = prefill(planner, Req("y", list(range(2 * BT + 1))), [0, 1, 2])
+    t.store(plan.stores)
+    assert t.take_counters().store_errors == 2
+    d.start()
+    lk._next_try = 0.0  # skip the back-off pause
+    _, plan = prefill(planner, Req("z", list(range(5, 5 + 2 * BT + 1))), [0, 1, 2])
+    t.store(plan.stores)
+    assert t.take_counters().stored_tokens == 2 * BT
+    d.kill()
+    d.start()  # the connection is broken: found at the next call and made again at once
+    old = lk.get()
+    assert planner.matched_tokens(Req("z2", list(range(5, 5 + 2 * BT + 1))), 0) in (0, 2 * BT)
+    assert lk.get() is not None and lk.get() is not old
+
+
+def test_pages_refuse_bad_input():
+    p = pages(num_blocks=4)
+    out = [torch.empty(LAYOUT.block_shape)]
+    with pytest.raises(ValueError, match="block ids"):
+        p.gather([4], out)
+    with pytest.raises(ValueError, match="repeat"):
+        p.scatter(out * 2, [1, 1])
+    with pytest.raises(ValueError, match="2 \\* head_dim"):
+        VllmPages([torch.zeros(4, 2, BT, 60)], 32)
+
+
+def test_the_engine_side_imports_neither_redis_nor_lmdb_nor_the_daemon():
+    code = ("import sys, tierkv.client, tierkv.integrations.vllm.plan, tierkv.integrations.vllm.transfer; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'lmdb', 'zstandard', 'vllm') "
+            "or m.startswith(('tierkv.tiers', 'tierkv.server', 'tierkv.block_table', 'tierkv.config'))); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
