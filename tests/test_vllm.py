@@ -53,7 +53,7 @@ def metric(server: VllmServer, name: str) -> float:
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+               if line.split("{")[0].split(" ")[0] == name)
 
 
 class Stack:
@@ -103,11 +103,11 @@ def test_a_request_loads_its_prefix_from_tierkv_with_identical_output(stack):
     assert again.text == first.text
     assert again.cached_tokens == (first.prompt_tokens - 1) // BT * BT > 0
     deadline = time.monotonic() + 20  # the connector's counters reach vLLM's /metrics with its stats
-    while metric(stack.server, "vllm:tierkv_hit_tokens") < again.cached_tokens and time.monotonic() < deadline:
+    while metric(stack.server, "vllm:tierkv_hit_tokens_total") < again.cached_tokens and time.monotonic() < deadline:
         stack.server.chat([{"role": "user", "content": "Hi"}], max_tokens=1)
         time.sleep(0.5)
-    assert metric(stack.server, "vllm:tierkv_hit_tokens") >= again.cached_tokens
-    assert metric(stack.server, "vllm:tierkv_stored_tokens") > 0
+    assert metric(stack.server, "vllm:tierkv_hit_tokens_total") >= again.cached_tokens
+    assert metric(stack.server, "vllm:tierkv_stored_tokens_total") > 0
 
 
 def test_vllm_blocks_hold_the_models_keys_and_values_in_tierkv_layout(stack):
@@ -120,6 +120,7 @@ def test_vllm_blocks_hold_the_models_keys_and_values_in_tierkv_layout(stack):
     from tierkv.integrations.transformers import layer_kv, new_cache
 
     msgs = chat("harbour")
+    stack.server.chat(msgs, max_tokens=4)
     tokens = stack.server.tokenize(msgs)
     with tierkv.Client.connect(stack.daemon.socket, model=MODEL_ID, layout=LAYOUT) as c:
         keys = c.block_keys(tokens)[:2]
@@ -249,7 +250,7 @@ def test_preempted_requests_resume_with_identical_output(stack):
     for m in convs:
         stack.server.reset_prefix_cache()
         alone.append(stack.server.chat(m, max_tokens=200))
-    preempted = metric(stack.server, "vllm:num_preemptions")
+    preempted = metric(stack.server, "vllm:num_preemptions_total")
     stack.server.reset_prefix_cache()
     out: dict[int, object] = {}
     threads = [threading.Thread(target=lambda i=i, m=m: out.update({i: stack.server.chat(m, max_tokens=200)}))
@@ -258,5 +259,5 @@ def test_preempted_requests_resume_with_identical_output(stack):
         t.start()
     for t in threads:
         t.join(600)
-    assert metric(stack.server, "vllm:num_preemptions") > preempted
+    assert metric(stack.server, "vllm:num_preemptions_total") > preempted
     assert [out[i].text for i in range(len(convs))] == [a.text for a in alone]

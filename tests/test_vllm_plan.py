@@ -191,3 +191,29 @@ def test_the_engine_side_imports_neither_redis_nor_lmdb_nor_the_daemon():
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("physical", ["HND", "NHD"])
+def test_cuda_pages_round_trip_through_unpinned_host_blocks(physical):
+    """CUDA caches, logically [blocks, heads, tokens, 2 * head_dim] in either physical order: gather into
+    host blocks (as the client's slot views are) and scatter back, K and V where tierkv keeps them."""
+    dev = torch.device("cuda")
+    shape = (16, 2, BT, 64) if physical == "HND" else (16, BT, 2, 64)
+    caches = [torch.randn(shape, device=dev) for _ in range(2)]
+    if physical == "NHD":
+        caches = [c.transpose(1, 2) for c in caches]  # logical [B, H, N, 2D] over physical [B, N, H, 2D]
+    p = VllmPages(caches, 32)
+    out = [torch.empty(LAYOUT.block_shape) for _ in range(3)]
+    p.gather([3, 0, 9], out)
+    p.synchronize()
+    for i, b in enumerate([3, 0, 9]):
+        for layer, c in enumerate(caches):
+            assert torch.equal(out[i][0, layer], c[b, :, :, :32].cpu())
+            assert torch.equal(out[i][1, layer], c[b, :, :, 32:].cpu())
+    fresh = [torch.zeros_like(c) for c in caches]
+    q = VllmPages(fresh, 32)
+    q.scatter(out, [1, 2, 3])
+    q.synchronize()
+    for layer in range(2):
+        assert torch.equal(fresh[layer][1], caches[layer][3]) and torch.equal(fresh[layer][3], caches[layer][9])

@@ -96,7 +96,11 @@ class VllmPages:
         if not self._cpu:
             from ...paged import gather
 
-            gather(self._k, self._v, ids, list(out), layout="HND")
+            direct = all(b.device == self.device or b.is_pinned() for b in out)
+            stage = list(out) if direct else [torch.empty_like(b, device=self.device) for b in out]
+            gather(self._k, self._v, ids, stage, layout="HND")
+            if not direct:  # host slots this process has not pinned: one device-to-host copy each
+                torch._foreach_copy_(list(out), stage)
             return
         dst = [_bits(b) for b in out]
         for layer in range(self.layout.num_layers):
@@ -116,7 +120,9 @@ class VllmPages:
         if not self._cpu:
             from ...paged import scatter
 
-            scatter(list(blocks), self._k, self._v, ids, layout="HND")
+            direct = all(b.device == self.device or b.is_pinned() for b in blocks)
+            src = list(blocks) if direct else [b.to(self.device) for b in blocks]
+            scatter(src, self._k, self._v, ids, layout="HND")
             return
         src = [_bits(b) for b in blocks]
         for layer in range(self.layout.num_layers):
