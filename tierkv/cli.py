@@ -20,7 +20,7 @@ _SERVE_FLAGS = {
     "disk_capacity": "disk.capacity", "slab_bytes": "host.slab_bytes", "codec": "disk.codec",
     "no_disk": "disk.enabled", "policy": "host.policy", "disk_workers": "disk.workers",
     "log_level": "server.log_level", "remote": "remote.url", "remote_admission": "remote.admission",
-    "gpu_capacity": "gpu.capacity", "gpu_device": "gpu.device",
+    "gpu_capacity": "gpu.capacity", "gpu_device": "gpu.device", "metrics_addr": "server.metrics_addr",
 }
 
 
@@ -80,6 +80,8 @@ def main() -> None:
               help="Which blocks are written through to the remote tier.")
 @click.option("--gpu-capacity", help="GPU tier size, e.g. 8GiB (0 = off, the default).")
 @click.option("--gpu-device", help="GPU tier device: auto, cuda, cuda:N, or cpu (the CPU stand-in).")
+@click.option("--metrics-addr", help="Serve Prometheus /metrics on PORT or HOST:PORT (loopback unless a host "
+              "is given), e.g. 127.0.0.1:9464.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the daemon in the foreground (SIGTERM/SIGINT drain and exit 0)."""

@@ -1,0 +1,85 @@
+"""Prometheus /metrics of a real daemon, scraped over HTTP and parsed with prometheus-client's parser."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tierkv.metrics import parse_addr
+
+from .conftest import SMALL, REPO
+from .test_daemon import keys_for, rand_blocks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics as {(name, sorted labels): value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_scrape_counters_rise_with_traffic(daemon_factory):
+    port = free_port()
+    d = daemon_factory(["--metrics-addr", f"127.0.0.1:{port}"])
+    before = scrape(port)
+    assert before[("tierkv_tier_capacity_bytes", (("tier", "host"),))] == 256 << 20
+    assert before[("tierkv_tier_hits_total", (("tier", "host"),))] == 0
+    assert ("tierkv_lookup_index_fill_ratio", ()) in before
+    with d.client() as c:
+        keys = keys_for(c, 8)
+        c.put(keys, rand_blocks(8))
+        c.get(keys)
+        c.get(keys)
+        mid = scrape(port)
+        assert mid[("tierkv_clients", ())] == 1
+    after = scrape(port)
+    host = (("tier", "host"),)
+    assert after[("tierkv_tier_hits_total", host)] >= 16
+    assert after[("tierkv_tier_blocks", host)] == 8
+    assert after[("tierkv_tier_used_bytes", host)] >= 8 * SMALL.block_bytes
+    assert after[("tierkv_tier_bytes_in_total", host)] >= 8 * SMALL.block_bytes
+    assert after[("tierkv_requests_total", ())] > before[("tierkv_requests_total", ())]
+    ns = [k for k in after if k[0] == "tierkv_namespace_hits_total"]
+    assert ns and after[ns[0]] >= 16
+    # the latency histogram: every op served shows up by name, with a count and +Inf bucket equal
+    commits = after[("tierkv_request_duration_seconds_count", (("op", "commit"),))]
+    assert commits >= 1
+    assert after[("tierkv_request_duration_seconds_bucket", (("le", "+Inf"), ("op", "commit")))] == commits
+    assert after[("tierkv_request_duration_seconds_sum", (("op", "commit"),))] > 0
+    assert ("tierkv_request_duration_seconds_count", (("op", "hello"),)) in after
+
+
+def test_metrics_off_by_default(daemon):
+    assert "metrics on" not in daemon.log.read_text()
+
+
+def test_parse_addr():
+    assert parse_addr("9464") == ("127.0.0.1", 9464)
+    assert parse_addr("0.0.0.0:9464") == ("0.0.0.0", 9464)
+    assert parse_addr("[::1]:9464") == ("::1", 9464)
+    for bad in ("", "host:", "x:70000", "abc"):
+        with pytest.raises(ValueError, match="metrics_addr"):
+            parse_addr(bad)
+
+
+def test_bad_metrics_addr_is_one_line_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tierkv", "serve", "--socket", str(tmp_path / "s"), "--data-dir",
+                        str(tmp_path / "d"), "--metrics-addr", "localhost:99999"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "metrics_addr" in r.stderr
+    assert "Traceback" not in r.stderr
