@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv.metrics import parse_addr
 
-from .conftest import SMALL, REPO
+from .conftest import REPO, SMALL
 from .test_daemon import keys_for, rand_blocks
 
 

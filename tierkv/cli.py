@@ -28,7 +28,7 @@ class _Group(click.Group):
     """Errors print one line and exit non-zero; no tracebacks. Heavy subcommands load on first use."""
 
     LAZY = {"replay": "tierkv.replay_cli", "demo": "tierkv.demo", "verify": "tierkv.admin_cli",
-            "doctor": "tierkv.admin_cli"}
+            "doctor": "tierkv.admin_cli", "size": "tierkv.size_cli", "top": "tierkv.top"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -214,8 +214,17 @@ def ping(socket: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--watch", type=float, default=None, is_flag=False, flag_value=2.0,
               help="Refresh every N seconds (default 2) until interrupted.")
-def stats(socket: str | None, as_json: bool, watch: float | None) -> None:
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
+              help="Write a PNG of tier fill, hit rate and link bandwidth over the daemon's recent samples.")
+def stats(socket: str | None, as_json: bool, watch: float | None, plot_path: str | None) -> None:
     """Per-tier capacity, usage, hits, misses, bytes, evictions, compression; per-namespace counts."""
+    if plot_path is not None:
+        from .plot import render
+
+        snap = _request(socket, "STATS", {"samples": True})
+        render(snap, plot_path, title=f"tierkv on {_client_socket(socket)}")
+        click.echo(f"wrote {plot_path} ({len(snap['samples'])} samples, one every {snap['interval_s']:g} s)")
+        return
     while True:
         r = _request(socket, "STATS")
         if as_json:

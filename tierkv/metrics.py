@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .errors import TierKVError
 from .protocol import Op
 
 log = logging.getLogger("tierkv.metrics")
@@ -187,7 +188,10 @@ class Metrics:
     def serve(self, addr: str) -> tuple[str, int]:
         """Serve ``/metrics`` on ``addr`` from a background thread; returns the bound (host, port)."""
         host, port = parse_addr(addr)
-        self._http, _thread = start_http_server(port, host, registry=self.registry)
+        try:
+            self._http, _thread = start_http_server(port, host, registry=self.registry)
+        except OSError as exc:
+            raise TierKVError(f"cannot serve metrics on {addr}: {exc.strerror or exc}") from None
         bound = self._http.server_address[:2]
         log.info("metrics on http://%s:%d/metrics", *bound)
         return bound[0], bound[1]

@@ -91,6 +91,7 @@ class Server:
         check_private_dir(self.data_dir)
         check_private_dir(self.socket_path.parent)
         self.table = BlockTable(self.cfg, str(self.data_dir))
+        self._start_observers()  # before the socket: a bad metrics address leaves no socket behind
         if self.socket_path.exists() or self.socket_path.is_symlink():
             if not stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
                 raise PermissionDenied(f"{self.socket_path} exists and is not a socket")
@@ -106,7 +107,6 @@ class Server:
         lst.listen(128)
         lst.settimeout(0.2)
         self._listener = lst
-        self._start_observers()
         t = self.table
         log.info("tierkv ready: socket %s, host %d MiB, disk %s, %d blocks on disk", self.socket_path,
                  t.host.capacity >> 20, f"{t.disk.capacity >> 20} MiB" if t.disk else "off",
