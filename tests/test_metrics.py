@@ -12,8 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv.metrics import parse_addr
 
+from . import redis_servers
 from .conftest import REPO, SMALL
+from .redis_servers import need_redis
 from .test_daemon import keys_for, rand_blocks
+
+redis_factory = redis_servers.redis_factory
 
 
 def free_port() -> int:
@@ -83,3 +87,48 @@ def test_bad_metrics_addr_is_one_line_error(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "metrics_addr" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_grafana_dashboard_uses_exported_names(daemon_factory):
+    import json
+    import re
+
+    dash = json.loads((REPO / "configs" / "grafana-tierkv.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"\btierkv_[a-z0-9_]+", e)}
+    port = free_port()
+    d = daemon_factory(["--metrics-addr", str(port)])
+    with d.client() as c:
+        c.put(keys_for(c, 2), rand_blocks(2))
+    exported = {name for name, _ in scrape(port)}
+    exported.add("tierkv_remote_breaker_state")  # exported only while a remote tier is configured
+    assert used and used <= exported, used - exported
+
+
+@need_redis
+def test_remote_tier_metrics_and_breaker(daemon_factory, redis_factory):
+    import time
+
+    srv = redis_factory()
+    port = free_port()
+    d = daemon_factory(["--metrics-addr", str(port), "--remote", srv.url, "--remote-admission", "all"])
+    with d.client() as c:
+        keys = keys_for(c, 4, seed=3)
+        c.put(keys, rand_blocks(4, seed=3))
+        deadline = time.monotonic() + 20
+        while scrape(port).get(("tierkv_link_bytes_total", (("link", "host->remote"),)), 0) < SMALL.block_bytes:
+            assert time.monotonic() < deadline, "write-through never reached the remote tier"
+            time.sleep(0.05)
+        m = scrape(port)
+        assert m[("tierkv_remote_breaker_state", (("state", "up"),))] == 1
+        assert m[("tierkv_tier_capacity_bytes", (("tier", "remote"),))] >= 0
+        srv.kill()
+        deadline = time.monotonic() + 20
+        while scrape(port)[("tierkv_remote_breaker_state", (("state", "up"),))] == 1:
+            assert time.monotonic() < deadline, "the breaker never left the up state"
+            c.put(keys_for(c, 2, seed=int(time.monotonic() * 1000)), rand_blocks(2))
+            c.lookup(keys_for(c, 8, seed=99))
+            time.sleep(0.1)
+        m = scrape(port)
+        assert m[("tierkv_remote_breaker_state", (("state", "down"),))] + \
+            m[("tierkv_remote_breaker_state", (("state", "read-only"),))] == 1
