@@ -173,3 +173,36 @@ def test_top_under_tmux(daemon):
             time.sleep(0.1)
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path):
+    from tierkv.progress import bar
+
+    master, slave = os.openpty()
+    with open(slave, "w", closefd=True) as tty:
+        with bar(None, "storing blocks", out=tty) as advance:
+            for _ in range(3):
+                advance(2, total=6)
+    shown = os.read(master, 1 << 16).decode(errors="replace")
+    os.close(master)
+    assert "storing blocks" in shown and "6/6" in shown
+    log = tmp_path / "log"
+    with open(log, "w") as f, bar(6, "storing blocks", out=f) as advance:
+        advance(6)
+    assert log.read_text() == ""  # pipes and log files get no control sequences
+
+
+def test_preload_in_chunks(daemon, tmp_path):
+    import numpy as np
+
+    from tierkv.preload import PRELOAD_CHUNK, export_prefix, preload_file
+
+    n = PRELOAD_CHUNK + 5
+    with daemon.client() as c:
+        tokens = np.arange(n * SMALL.block_tokens)
+        c.put(c.block_keys(tokens), rand_blocks(n))
+        assert export_prefix(c, tokens, tmp_path / "p.npz") == n
+    steps = []
+    model, pinned = preload_file(daemon.socket, tmp_path / "p.npz", advance=lambda k, total: steps.append((k, total)))
+    assert pinned == n and steps == [(PRELOAD_CHUNK, n), (5, n)]
+    assert "pinned" in tierkv("preload", str(tmp_path / "p.npz"), "--socket", daemon.socket).stdout

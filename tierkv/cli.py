@@ -323,8 +323,10 @@ def preload(path: str, socket: str | None, priority: int) -> None:
     """Store and pin a frozen prefix exported with tierkv.preload.export_prefix (system prompts,
     tool descriptions) so it stays in the host tier."""
     from .preload import preload_file
+    from .progress import bar
 
-    model, n = preload_file(socket, path, priority)
+    with bar(None, f"preloading {path}") as advance:
+        model, n = preload_file(socket, path, priority, advance=advance)
     click.echo(f"pinned {n} blocks of {model} at priority {priority}")
 
 
