@@ -68,7 +68,12 @@ def test_scrape_counters_rise_with_traffic(daemon_factory):
 
 
 def test_metrics_off_by_default(daemon):
+    from tierkv.cli import _request
+    from tierkv.errors import BadRequest
+
     assert "metrics on" not in daemon.log.read_text()
+    with pytest.raises(BadRequest, match="fixed at start-up"):
+        _request(daemon.socket, "TUNE", {"settings": {"server.metrics_addr": "9464"}})
 
 
 def test_parse_addr():

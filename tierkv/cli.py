@@ -109,7 +109,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
 # The price of that trim threshold: glibc gives no freed heap memory back on its own. With the default
 # of 8 x cores malloc arenas (16 here), each connection thread lands on one; under client churn every
 # arena kept its own free holes and its own free top chunk, and the soak's anonymous RSS crept up
-# ~50 MB/h while glibc's bytes in use stayed flat at ~18 MB (docs/notes/reliability.md). So: one arena
+# ~50 MB/h while glibc's bytes in use stayed flat at ~18 MB (docs/design.md). So: one arena
 # (the threads mostly run under the GIL anyway), and malloc_trim(0) every MALLOC_TRIM_S seconds, which
 # returns the free pages of the heap, holes and top alike, to the kernel (1-7 ms a call in the soak).
 # malloc_trim cannot shrink a thread arena's top chunk; that is why the arena count matters.
@@ -264,13 +264,18 @@ def _print_stats(r: dict) -> None:
                       + (" (full: lookups go through the socket)" if li["overflow"] else ""))
     if r["namespaces"]:
         n = Table(title="namespaces")
-        for c in ("fingerprint", "model", "layout", "tp", "blocks"):
+        for c in ("fingerprint", "model", "layout", "tp", "blocks", "fetched", "missed"):
             n.add_column(c)
         for fp, d in r["namespaces"].items():
             lo = d["layout"]
             n.add_row(fp[:12], d["model"], f"{lo['num_layers']}x{lo['num_kv_heads']}x{lo['head_dim']} "
-                      f"T{lo['block_tokens']} {lo['dtype']}", str(d["tp_rank"]), str(d["blocks"]))
+                      f"T{lo['block_tokens']} {lo['dtype']}", str(d["tp_rank"]), str(d["blocks"]),
+                      str(d.get("hits", 0)), str(d.get("misses", 0)))
         console.print(n)
+    leased = [x for x in r.get("sessions", []) if x["leases"]]
+    if leased:
+        console.print("leases: " + ", ".join(f"pid {x['pid']} ({x['model'] or '-'}) {x['leases']} leases / "
+                                             f"{x['leased_blocks']} blocks" for x in leased))
 
 
 @main.command()

@@ -426,6 +426,7 @@ class Server:
     _RESTART_ONLY = ("server.socket", "server.data_dir", "server.allow_uids", "server.max_frame_bytes",
                      "host.slab_bytes", "host.prefault", "disk.enabled", "disk.workers", "disk.sync",
                      "server.max_clients", "server.lookup_index_slots", "gpu.capacity", "gpu.device", "gpu.slab_bytes")
+    _RESTART_ONLY += ("server.metrics_addr", "server.sample_interval_s", "server.sample_count")
 
     def _op_tune(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Change settings on the running daemon: all are checked first; a bad one changes nothing."""
