@@ -70,10 +70,12 @@ def _namespaces(cur: dict, prev: dict | None) -> Table:
 
 
 def _clients(cur: dict) -> Table:
-    t = Table(title="clients", title_justify="left")
+    engines = [s for s in cur.get("sessions", []) if s["model"]]  # control connections (CLI) have no model
+    other = len(cur.get("sessions", [])) - len(engines)
+    t = Table(title="clients" + (f" (and {other} control connections)" if other else ""), title_justify="left")
     for c in ("session", "pid", "model", "leases", "leased blocks"):
         t.add_column(c, justify="left" if c == "model" else "right")
-    for s in sorted(cur.get("sessions", []), key=lambda s: -s["leased_blocks"]):
+    for s in sorted(engines, key=lambda s: -s["leased_blocks"]):
         t.add_row(str(s["session"]), str(s["pid"]), s["model"] or "-", str(s["leases"]), f"{s['leased_blocks']:,}")
     return t
 
