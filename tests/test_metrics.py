@@ -56,6 +56,7 @@ def test_scrape_counters_rise_with_traffic(daemon_factory):
     assert after[("tierkv_tier_blocks", host)] == 8
     assert after[("tierkv_tier_used_bytes", host)] >= 8 * SMALL.block_bytes
     assert after[("tierkv_tier_bytes_in_total", host)] >= 8 * SMALL.block_bytes
+    assert after[("tierkv_tier_bytes_out_total", host)] >= 16 * SMALL.block_bytes  # two gets of 8 blocks
     assert after[("tierkv_requests_total", ())] > before[("tierkv_requests_total", ())]
     ns = [k for k in after if k[0] == "tierkv_namespace_hits_total"]
     assert ns and after[ns[0]] >= 16

@@ -125,6 +125,8 @@ def test_stats_plot(daemon_factory, tmp_path):
     assert last["tiers"]["host"]["used"] >= 6 * 16 * SMALL.block_bytes
     s = series(snap["samples"])
     assert max(y for y in s["hit_rate"]["host"] if y is not None) == 100.0
+    assert max(y for y in s["hit_rate"]["any tier"] if y is not None) == 100.0
+    assert last["served"]["hits"] >= 6 * 16
     out = tmp_path / "plot.png"
     r = tierkv("stats", "--socket", d.socket, "--plot", str(out))
     assert "wrote" in r.stdout

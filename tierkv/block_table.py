@@ -626,6 +626,7 @@ class BlockTable:
                 if b.host_off is not None:
                     tiers.append("host" if b.loading is None else "disk")
                     self.host_stats.hits += 1
+                    self.host_stats.bytes_out += b.nbytes  # leased to the client: read from the host tier
                 elif b.on_disk:
                     try:
                         b.host_off = self._alloc_slot(slot)

@@ -9,7 +9,8 @@ TIER_COLORS = {"gpu": "#7b3294", "host": "#1f77b4", "disk": "#ff7f0e", "remote":
 
 def series(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-interval series from cumulative samples: seconds before the newest sample, fill per tier (%),
-    hit rate per tier (%, None in intervals without lookups) and MB/s per link."""
+    hit rate per tier and of fetches over all tiers ("any tier"; %, None in intervals without lookups)
+    and MB/s per link."""
     if len(samples) < 2:
         raise ValueError("the daemon has fewer than 2 samples yet (one is taken every server.sample_interval_s)")
     t_end = samples[-1]["t"]
@@ -24,6 +25,10 @@ def series(samples: list[dict[str, Any]]) -> dict[str, Any]:
             p = a["tiers"].get(name, d)
             h, m = d["hits"] - p["hits"], d["misses"] - p["misses"]
             hits.setdefault(name, []).append(100.0 * h / (h + m) if h + m > 0 else None)
+        if "served" in b:
+            sa, sb = a.get("served", b["served"]), b["served"]
+            h, m = sb["hits"] - sa["hits"], sb["misses"] - sa["misses"]
+            hits.setdefault("any tier", []).append(100.0 * h / (h + m) if h + m > 0 else None)
         for link, n in b["links"].items():
             links.setdefault(link, []).append(max(0, n - a["links"].get(link, n)) / dt / 1e6)
     return {"t": ts, "fill": fill, "hit_rate": hits, "links": links}
@@ -51,8 +56,10 @@ def render(snapshot: dict[str, Any], path: str, title: str = "tierkv") -> None:
     fill_ax.set_ylim(0, 105)
     for name, ys in s["hit_rate"].items():
         if any(y is not None for y in ys):
+            style = {"color": "black", "ls": "--", "lw": 1.4} if name == "any tier" else \
+                {"color": TIER_COLORS.get(name), "lw": 1.8}
             hit_ax.plot(s["t"], [float("nan") if y is None else y for y in ys], label=name,
-                        color=TIER_COLORS.get(name), lw=1.8, marker="." if len(ys) < 60 else None)
+                        marker="." if len(ys) < 60 else None, **style)
     hit_ax.set_ylabel("hit rate (%)")
     hit_ax.set_ylim(0, 105)
     active = {k: v for k, v in s["links"].items() if any(v)}

@@ -7,15 +7,18 @@ one costs microseconds whatever the daemon holds.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any
 
+log = logging.getLogger("tierkv.samples")
 _COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions")
 
 
 def take_sample(table: Any) -> dict[str, Any]:
-    """One sample: wall time, per tier used/capacity bytes and counters, bytes moved per link."""
+    """One sample: wall time, per tier used/capacity bytes and counters, bytes moved per link, and the
+    blocks fetches got from any tier (``served``)."""
     tiers: dict[str, dict[str, int]] = {}
 
     def add(name: str, counters: Any, used: int, capacity: int) -> None:
@@ -35,7 +38,9 @@ def take_sample(table: Any) -> dict[str, Any]:
         add("remote", r, (table._remote_info[1] or {}).get("used_bytes", 0), remote_cap)
         links["host->remote"] = int(r.bytes_in)
         links["remote->host"] = int(r.bytes_out)
-    return {"t": round(time.time(), 3), "tiers": tiers, "links": links}
+    fetched = [list(c) for c in list(table.ns_hits.values())]  # a copy: HELLOs may add namespaces meanwhile
+    served = {"hits": sum(c[0] for c in fetched), "misses": sum(c[1] for c in fetched)}
+    return {"t": round(time.time(), 3), "tiers": tiers, "links": links, "served": served}
 
 
 class SampleRing:
@@ -60,8 +65,8 @@ class SampleRing:
         while not self._stop.wait(self.interval):
             try:
                 self._ring.append(take_sample(self.table))
-            except Exception:  # a tier closing under us at shutdown: stop sampling quietly
-                return
+            except Exception as exc:  # e.g. a tier closing under us at shutdown: skip this sample
+                log.debug("sample skipped: %s", exc)
 
     def stop(self) -> None:
         """Stop the sampling thread."""
