@@ -143,7 +143,7 @@ def test_lossless_stores_raw_when_it_does_not_pay():
 
 # --- lossy codecs ------------------------------------------------------------------------------------
 
-# Documented bounds (docs/notes/codecs.md): minimum ratio on 16-bit blocks, maximum relative RMSE of K and V.
+# Documented bounds (docs/design.md, Codecs): minimum ratio on 16-bit blocks, maximum relative RMSE of K and V.
 # Measured on the real sample: fp8 2.35x 2.6%/2.6%, int8 1.94x 0.4%/0.7%, int4 3.17x 3.1%/8.2%.
 LOSSY_BOUNDS = {"fp8": (1.95, 0.03, 0.03), "int8": (1.9, 0.006, 0.01), "int4": (3.0, 0.04, 0.09)}
 

@@ -1,6 +1,6 @@
 """Reliability against real daemon processes: durability across kill -9, holds of dead clients, leaks
 under churn, full disks and maps, I/O errors, corrupt values, namespace changes across restarts and a
-graceful shutdown under load. The promises these check are listed in docs/notes/reliability.md; the
+graceful shutdown under load. The promises these check are listed in the README (Reliability); the
 long versions are tools/crashloop.py (50 kill -9 loops) and tools/soak.py.
 """
 
@@ -294,7 +294,7 @@ def test_daemon_allocator_gives_freed_memory_back():
     that eight threads malloc'd and freed comes back to the kernel with ``malloc_trim``, which the
     daemon calls every ``MALLOC_TRIM_S`` seconds: one arena (``arena_max=1``), whose top and holes
     malloc_trim releases; a thread arena's top it cannot release, and with 8 x cores arenas that
-    retention grew the soak's RSS (docs/notes/reliability.md)."""
+    retention grew the soak's RSS (docs/design.md, Daemon lifecycle and memory)."""
     from tierkv.cli import _TUNABLES, MALLOC_TRIM_S
 
     assert "glibc.malloc.arena_max=1" in _TUNABLES and 0 < MALLOC_TRIM_S <= 30

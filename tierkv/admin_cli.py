@@ -65,8 +65,10 @@ def verify(drop: bool, as_json: bool, socket: str | None, timeout: float, max_ba
     """
     def run() -> None:
         from .cli import _request
+        from .progress import bar
 
-        r = _request(socket, "VERIFY", {"drop": drop}, timeout=timeout or None)
+        with bar(None, "verifying the disk tier"):  # one request: the daemon scans, we show the time
+            r = _request(socket, "VERIFY", {"drop": drop}, timeout=timeout or None)
         bad = list(r.get("bad", []))
         remaining = max(0, len(bad) - int(r.get("dropped", 0)))
         shown = bad[:max_bad] if max_bad else bad

@@ -127,6 +127,7 @@ class BlockTable:
             self.blocks = IndexedBlocks(self.index)
         self.namespaces: dict[bytes, Namespace] = {}
         self.ns_blocks: dict[bytes, int] = {}
+        self.ns_hits: dict[bytes, list[int]] = {}  # fingerprint -> [blocks fetches got, blocks they missed]
         self._ns_sessions: dict[bytes, int] = {}  # connections bound to each namespace
         self.host = HostPool(cfg.host.capacity, cfg.host.slab_bytes, cfg.host.prefault)
         # One use history for both tiers (heat survives demotion), bounded so that a stream of
@@ -275,6 +276,7 @@ class BlockTable:
                     del self._ns_sessions[fp]
                     self.namespaces.pop(fp, None)
                     self.ns_blocks.pop(fp, None)
+                    self.ns_hits.pop(fp, None)
                 session.ns = None
             self.changed.notify_all()
 
@@ -608,6 +610,7 @@ class BlockTable:
             leased, tiers = self._promote_gpu(s, ns, keys, lease=True)
             with self.lock:
                 self._lease_ids += 1
+                self._count_fetch(s.fp, len(keys), len(leased))
                 s.tickets[self._lease_ids] = (leased, tiers, "gpu")
                 return self._lease_ids
         slot = slot_size_for(ns.layout.block_bytes)
@@ -623,6 +626,7 @@ class BlockTable:
                 if b.host_off is not None:
                     tiers.append("host" if b.loading is None else "disk")
                     self.host_stats.hits += 1
+                    self.host_stats.bytes_out += b.nbytes  # leased to the client: read from the host tier
                 elif b.on_disk:
                     try:
                         b.host_off = self._alloc_slot(slot)
@@ -653,8 +657,14 @@ class BlockTable:
             self._fetch_remote(s, ns, keys[len(leased):], slot, leased, tiers)
         with self.lock:
             self._lease_ids += 1
+            self._count_fetch(s.fp, len(keys), len(leased))
             s.tickets[self._lease_ids] = (leased, tiers, "host")
             return self._lease_ids
+
+    def _count_fetch(self, fp: bytes, asked: int, got: int) -> None:
+        c = self.ns_hits.setdefault(fp, [0, 0])
+        c[0] += got
+        c[1] += asked - got
 
     def _fetch_remote(self, s: Session, ns: Namespace, keys: list[bytes], slot: int, leased: list[Block],
                       tiers: list[str]) -> None:

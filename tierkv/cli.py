@@ -20,7 +20,7 @@ _SERVE_FLAGS = {
     "disk_capacity": "disk.capacity", "slab_bytes": "host.slab_bytes", "codec": "disk.codec",
     "no_disk": "disk.enabled", "policy": "host.policy", "disk_workers": "disk.workers",
     "log_level": "server.log_level", "remote": "remote.url", "remote_admission": "remote.admission",
-    "gpu_capacity": "gpu.capacity", "gpu_device": "gpu.device",
+    "gpu_capacity": "gpu.capacity", "gpu_device": "gpu.device", "metrics_addr": "server.metrics_addr",
 }
 
 
@@ -28,7 +28,7 @@ class _Group(click.Group):
     """Errors print one line and exit non-zero; no tracebacks. Heavy subcommands load on first use."""
 
     LAZY = {"replay": "tierkv.replay_cli", "demo": "tierkv.demo", "verify": "tierkv.admin_cli",
-            "doctor": "tierkv.admin_cli"}
+            "doctor": "tierkv.admin_cli", "size": "tierkv.size_cli", "top": "tierkv.top"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -80,6 +80,8 @@ def main() -> None:
               help="Which blocks are written through to the remote tier.")
 @click.option("--gpu-capacity", help="GPU tier size, e.g. 8GiB (0 = off, the default).")
 @click.option("--gpu-device", help="GPU tier device: auto, cuda, cuda:N, or cpu (the CPU stand-in).")
+@click.option("--metrics-addr", help="Serve Prometheus /metrics on PORT or HOST:PORT (loopback unless a host "
+              "is given), e.g. 127.0.0.1:9464.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the daemon in the foreground (SIGTERM/SIGINT drain and exit 0)."""
@@ -107,7 +109,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
 # The price of that trim threshold: glibc gives no freed heap memory back on its own. With the default
 # of 8 x cores malloc arenas (16 here), each connection thread lands on one; under client churn every
 # arena kept its own free holes and its own free top chunk, and the soak's anonymous RSS crept up
-# ~50 MB/h while glibc's bytes in use stayed flat at ~18 MB (docs/notes/reliability.md). So: one arena
+# ~50 MB/h while glibc's bytes in use stayed flat at ~18 MB (docs/design.md). So: one arena
 # (the threads mostly run under the GIL anyway), and malloc_trim(0) every MALLOC_TRIM_S seconds, which
 # returns the free pages of the heap, holes and top alike, to the kernel (1-7 ms a call in the soak).
 # malloc_trim cannot shrink a thread arena's top chunk; that is why the arena count matters.
@@ -212,8 +214,17 @@ def ping(socket: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--watch", type=float, default=None, is_flag=False, flag_value=2.0,
               help="Refresh every N seconds (default 2) until interrupted.")
-def stats(socket: str | None, as_json: bool, watch: float | None) -> None:
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
+              help="Write a PNG of tier fill, hit rate and link bandwidth over the daemon's recent samples.")
+def stats(socket: str | None, as_json: bool, watch: float | None, plot_path: str | None) -> None:
     """Per-tier capacity, usage, hits, misses, bytes, evictions, compression; per-namespace counts."""
+    if plot_path is not None:
+        from .plot import render
+
+        snap = _request(socket, "STATS", {"samples": True})
+        render(snap, plot_path, title=f"tierkv on {_client_socket(socket)}")
+        click.echo(f"wrote {plot_path} ({len(snap['samples'])} samples, one every {snap['interval_s']:g} s)")
+        return
     while True:
         r = _request(socket, "STATS")
         if as_json:
@@ -253,13 +264,18 @@ def _print_stats(r: dict) -> None:
                       + (" (full: lookups go through the socket)" if li["overflow"] else ""))
     if r["namespaces"]:
         n = Table(title="namespaces")
-        for c in ("fingerprint", "model", "layout", "tp", "blocks"):
+        for c in ("fingerprint", "model", "layout", "tp", "blocks", "fetched", "missed"):
             n.add_column(c)
         for fp, d in r["namespaces"].items():
             lo = d["layout"]
             n.add_row(fp[:12], d["model"], f"{lo['num_layers']}x{lo['num_kv_heads']}x{lo['head_dim']} "
-                      f"T{lo['block_tokens']} {lo['dtype']}", str(d["tp_rank"]), str(d["blocks"]))
+                      f"T{lo['block_tokens']} {lo['dtype']}", str(d["tp_rank"]), str(d["blocks"]),
+                      str(d.get("hits", 0)), str(d.get("misses", 0)))
         console.print(n)
+    leased = [x for x in r.get("sessions", []) if x["leases"]]
+    if leased:
+        console.print("leases: " + ", ".join(f"pid {x['pid']} ({x['model'] or '-'}) {x['leases']} leases / "
+                                             f"{x['leased_blocks']} blocks" for x in leased))
 
 
 @main.command()
@@ -312,8 +328,10 @@ def preload(path: str, socket: str | None, priority: int) -> None:
     """Store and pin a frozen prefix exported with tierkv.preload.export_prefix (system prompts,
     tool descriptions) so it stays in the host tier."""
     from .preload import preload_file
+    from .progress import bar
 
-    model, n = preload_file(socket, path, priority)
+    with bar(None, f"preloading {path}") as advance:
+        model, n = preload_file(socket, path, priority, advance=advance)
     click.echo(f"pinned {n} blocks of {model} at priority {priority}")
 
 

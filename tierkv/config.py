@@ -40,6 +40,12 @@ class ServerConfig:
     """On SIGTERM, write host-tier blocks that are not yet on disk to the disk tier (a warm next start)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Daemon log level (logs go to stderr)."""
+    metrics_addr: str = ""
+    """Prometheus ``/metrics`` endpoint, ``HOST:PORT`` or ``PORT`` (loopback); empty: no endpoint."""
+    sample_interval_s: float = 1.0
+    """Seconds between the samples behind ``tierkv stats --plot`` (0: no samples)."""
+    sample_count: int = 900
+    """Samples kept (the newest; 900 at 1 s is the last 15 minutes)."""
 
 
 @dataclass
@@ -174,6 +180,12 @@ class Config:
             raise ValueError("server.max_frame_bytes must be >= 4096")
         if s.drain_timeout_s < 0:
             raise ValueError("server.drain_timeout_s must be >= 0")
+        if s.sample_interval_s < 0 or not 1 <= s.sample_count <= 1 << 20:
+            raise ValueError("server.sample_interval_s must be >= 0 and server.sample_count within 1..2^20")
+        if s.metrics_addr:
+            from .metrics import parse_addr
+
+            parse_addr(s.metrics_addr)
         if not 0 <= h.write_behind_above <= 1:
             raise ValueError("host.write_behind_above must be within 0..1")
         if not 0 <= h.max_pinned_fraction <= 1:

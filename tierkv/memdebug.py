@@ -7,7 +7,7 @@ kept, mmapped), the number of malloc arenas, Python's allocated blocks and objec
 of the daemon's own structures (blocks, policy heaps and dicts, history, connections, threads). With
 ``TIERKV_MEMDEBUG_TRACE=1`` it also runs tracemalloc and writes the top growth by line between samples
 (slow: for finding a Python-level leak, not for figures). Used to tell Python heap growth from
-allocator retention in the soak (docs/notes/reliability.md).
+allocator retention in the soak (docs/design.md).
 """
 
 from __future__ import annotations

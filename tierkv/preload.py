@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -37,8 +37,14 @@ def export_prefix(client: Client, token_ids: Sequence[int] | np.ndarray, path: s
     return len(keys)
 
 
-def preload_file(socket: str | None, path: str | os.PathLike, priority: int = 80) -> tuple[str, int]:
-    """Store and pin the prefix saved in ``path``; returns (model, blocks pinned)."""
+PRELOAD_CHUNK = 64  # blocks per put: bounds the memory of one request and paces the progress bar
+
+
+def preload_file(socket: str | None, path: str | os.PathLike, priority: int = 80,
+                 advance: Callable[..., None] | None = None) -> tuple[str, int]:
+    """Store and pin the prefix saved in ``path``; returns (model, blocks pinned).
+
+    ``advance(n, total=blocks)`` is called after each chunk of ``n`` blocks is stored (a progress bar)."""
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
@@ -53,5 +59,8 @@ def preload_file(socket: str | None, path: str | os.PathLike, priority: int = 80
     with Client.connect(socket, model=meta["model"], layout=layout, tp_rank=int(meta.get("tp_rank", 0)),
                         tp_size=int(meta.get("tp_size", 1)), populate=False) as c:
         keys = c.block_keys(tokens)
-        c.put(keys, blocks)
+        for i in range(0, n, PRELOAD_CHUNK):
+            c.put(keys[i:i + PRELOAD_CHUNK], blocks[i:i + PRELOAD_CHUNK])
+            if advance is not None:
+                advance(len(keys[i:i + PRELOAD_CHUNK]), total=n)
         return meta["model"], c.pin_prefix(keys, priority)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -205,11 +204,14 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
             _print_profile(prof)
         return
 
-    def progress(r: ReplayResult) -> None:
-        if not as_json:
-            click.echo(f"  {r.policy} @ {r.capacity}: {r.token_hit_rate * 100:.2f}% ({r.wall_s:.1f}s)", err=True)
+    from tierkv.progress import bar
 
-    results = sweep(workload, names, caps, config, progress=progress if sys.stderr.isatty() else None)
+    runs = len(caps) * len(dict.fromkeys([*names, "opt"]))
+    with bar(runs, f"replaying {len(requests):,} requests") as advance:
+        def progress(r: ReplayResult) -> None:
+            advance(1, f"{r.policy} @ {r.capacity}: {r.token_hit_rate * 100:.2f}%")
+
+        results = sweep(workload, names, caps, config, progress=progress)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:

@@ -68,6 +68,9 @@ class Server:
         self._signals = 0
         self.started = time.time()
         self.requests = 0
+        self.metrics: Any = None   # tierkv.metrics.Metrics while /metrics is served
+        self.samples: Any = None   # tierkv.samples.SampleRing behind `tierkv stats --plot`
+        self._pids: dict[int, int] = {}  # session id -> the client's pid (SO_PEERCRED)
         # opcode -> (Op, bound handler), built once: no enum or attribute lookups per request
         self._handlers = {int(o): (o, getattr(self, f"_op_{o.name.lower()}"))
                           for o in Op if hasattr(self, f"_op_{o.name.lower()}")}
@@ -88,6 +91,7 @@ class Server:
         check_private_dir(self.data_dir)
         check_private_dir(self.socket_path.parent)
         self.table = BlockTable(self.cfg, str(self.data_dir))
+        self._start_observers()  # before the socket: a bad metrics address leaves no socket behind
         if self.socket_path.exists() or self.socket_path.is_symlink():
             if not stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
                 raise PermissionDenied(f"{self.socket_path} exists and is not a socket")
@@ -109,6 +113,19 @@ class Server:
                  sum(1 for b in t.blocks.values() if b.on_disk))
         print(f"tierkv: ready on {self.socket_path}", file=sys.stderr, flush=True)
 
+    def _start_observers(self) -> None:
+        from .samples import SampleRing
+
+        sc = self.cfg.server
+        self.samples = SampleRing(self.table, sc.sample_interval_s, sc.sample_count)
+        self.samples.start()
+        if sc.metrics_addr:
+            from .metrics import Metrics
+
+            self.metrics = Metrics(self)
+            host, port = self.metrics.serve(sc.metrics_addr)
+            print(f"tierkv: metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
+
     def _accept_loop(self) -> None:
         assert self._listener is not None
         while not self._stop.is_set():
@@ -127,6 +144,11 @@ class Server:
     def shutdown(self) -> None:
         """Drain and release everything; idempotent."""
         self._stop.set()
+        if self.samples is not None:
+            self.samples.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -187,6 +209,8 @@ class Server:
             self._session_ids += 1
             session = Session(self._session_ids)
             self._conns[session.id] = (conn, session)
+            self._pids[session.id] = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   _UCRED.size))[0]
         reader = protocol.FrameReader(conn, self.cfg.server.max_frame_bytes)
         try:
             while not self._stop.is_set():
@@ -201,13 +225,17 @@ class Server:
                     self._send_error(conn, op, rid, ProtocolError("requests must carry status 0"))
                     return
                 self._inflight += 1
+                t0 = time.perf_counter()
                 try:
                     self._dispatch(conn, session, op, rid, body)
                 finally:
                     self._inflight -= 1
+                    if self.metrics is not None:
+                        self.metrics.observe(op, time.perf_counter() - t0)
         finally:
             with self._conn_lock:
                 self._conns.pop(session.id, None)
+                self._pids.pop(session.id, None)
             if self.table is not None:
                 self.table.close_session(session)
             conn.close()
@@ -373,6 +401,8 @@ class Server:
         return {"touched": self.table.touch(s, keys, scores)}
 
     def _op_stats(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        if body.get("samples"):  # the sample ring instead of the snapshot
+            return self.samples.snapshot() if self.samples is not None else {"interval_s": 0, "samples": []}
         return self.stats()
 
     def _op_health(self, conn: socket.socket, s: Session, body: dict) -> dict:
@@ -396,6 +426,7 @@ class Server:
     _RESTART_ONLY = ("server.socket", "server.data_dir", "server.allow_uids", "server.max_frame_bytes",
                      "host.slab_bytes", "host.prefault", "disk.enabled", "disk.workers", "disk.sync",
                      "server.max_clients", "server.lookup_index_slots", "gpu.capacity", "gpu.device", "gpu.slab_bytes")
+    _RESTART_ONLY += ("server.metrics_addr", "server.sample_interval_s", "server.sample_count")
 
     def _op_tune(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Change settings on the running daemon: all are checked first; a bad one changes nothing."""
@@ -477,8 +508,11 @@ class Server:
             tiers["remote"] = remote
         with t.lock:
             namespaces = {ns.fingerprint.hex(): {"model": ns.model, "layout": ns.layout.to_dict(),
-                                                 "tp_rank": ns.tp_rank, "blocks": t.ns_blocks.get(fp, 0)}
+                                                 "tp_rank": ns.tp_rank, "blocks": t.ns_blocks.get(fp, 0),
+                                                 "hits": t.ns_hits.get(fp, (0, 0))[0],
+                                                 "misses": t.ns_hits.get(fp, (0, 0))[1]}
                           for fp, ns in t.namespaces.items()}
+            sessions = self._session_stats()
             return {
                 "pid": os.getpid(),
                 "uptime_s": round(time.time() - self.started, 3),
@@ -490,11 +524,23 @@ class Server:
                 "health": "degraded" if t.degraded else "ok",
                 "tiers": tiers,
                 "namespaces": namespaces,
+                "sessions": sessions,
                 "transfer": {"inflight": t.engine.inflight, "bytes": dict(t.engine.link_bytes),
                              "seconds": {k: round(v, 4) for k, v in t.engine.link_seconds.items()},
                              "links": {k: v.to_dict() for k, v in t.engine.budgets.stats().items()},
                              "cost": t.engine.cost.snapshot()},
             }
+
+    def _session_stats(self) -> list[dict]:
+        """Per connection: its client's pid, model and what it holds leased (caller holds the table lock)."""
+        with self._conn_lock:
+            conns = list(self._conns.values())
+        out = []
+        for _, sess in conns:
+            out.append({"session": sess.id, "pid": self._pids.get(sess.id, 0),
+                        "model": sess.ns.model if sess.ns is not None else "",
+                        "leases": len(sess.leases), "leased_blocks": sum(len(x.blocks) for x in sess.leases.values())})
+        return out
 
 
 _SENT = object()

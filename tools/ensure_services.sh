@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# Installs the servers the test suite uses (redis-server, redis-cli) from the system's packages when they
+# Installs the servers and tools the test suite uses (redis-server, redis-cli, tmux) from the system's packages when they
 # are missing and we may install (root with apt-get). Never fails the build: tests that need a missing
 # server skip with a clear reason.
 set -u
+# tmux: the test of `tierkv top` drives it in a tmux pane (send-keys, capture-pane)
+if ! command -v tmux >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "tierkv: installing tmux for the tierkv top test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux) \
+      >/tmp/tierkv-apt-tmux.log 2>&1 || echo "tierkv: could not install tmux (see /tmp/tierkv-apt-tmux.log); the top test will skip"
+  else
+    echo "tierkv: tmux not found and cannot install it here; the tierkv top test will skip"
+  fi
+fi
 if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
   exit 0
 fi

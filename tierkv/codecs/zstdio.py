@@ -42,7 +42,7 @@ def _fast_params() -> zstandard.ZstdCompressionParameters:
     # "Level 1" of the byte-plane codec: the smallest match finder (hash_log 6, min_match 7), so nearly
     # everything is a Huffman-coded literal. Byte planes of floats have few long repeats but a skewed
     # byte histogram: this reaches the order-0 entropy of the exponent plane (1% better than zstd's own
-    # level 1) at about 3x its speed on that plane (measured on the kv-sample; docs/notes/codecs.md).
+    # level 1) at about 3x its speed on that plane (measured on the kv-sample; docs/design.md, Codecs).
     return zstandard.ZstdCompressionParameters(
         window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
         strategy=zstandard.STRATEGY_FAST, write_content_size=True, write_checksum=False, write_dict_id=False)

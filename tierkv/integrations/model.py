@@ -82,8 +82,14 @@ def available() -> bool:
 
 
 @contextlib.contextmanager
-def _ticker(label: str, out: TextIO) -> Iterator[None]:
-    """Print elapsed seconds while a long step runs (the GGUF parse shows no progress of its own)."""
+def _ticker(label: str, out: TextIO, advance: Any = None) -> Iterator[None]:
+    """Show a long step: on a terminal as one step of the ``advance`` progress bar, elsewhere as a line of
+    elapsed seconds every 10 s (the GGUF parse shows no progress of its own)."""
+    if advance is not None and out.isatty():
+        advance(0, description=label)
+        yield
+        advance(1)
+        return
     stop = threading.Event()
     start = time.monotonic()
     tty = out.isatty()
@@ -138,19 +144,22 @@ def ensure_converted(path: Path | None = None, *, out: TextIO | None = None) -> 
         out.write(f"tierkv: converting {src.name} ({src.stat().st_size / 1e6:.0f} MB) once into {path}\n")
         out.flush()
         t0 = time.monotonic()
-        with _ticker("[1/3] reading tokenizer and chat template", out):
-            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        with _ticker("[2/3] dequantizing weights to float32", out):
-            model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                         dtype=torch.float32)
-        with _ticker("[3/3] saving safetensors", out):
-            # The GGUF quantizer marks the model unserializable; the weights are plain float32 now.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.save_pretrained(str(tmp))
-            tok.save_pretrained(str(tmp))
-            (tmp / _DONE_MARK).write_text(f"{src.name}\n")
+        from ..progress import bar
+
+        with bar(3, "converting", out=out) as advance:
+            with _ticker("[1/3] reading tokenizer and chat template", out, advance):
+                tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+            with _ticker("[2/3] dequantizing weights to float32", out, advance):
+                model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                             dtype=torch.float32)
+            with _ticker("[3/3] saving safetensors", out, advance):
+                # The GGUF quantizer marks the model unserializable; the weights are plain float32 now.
+                model.hf_quantizer = None
+                if hasattr(model.config, "quantization_config"):
+                    del model.config.quantization_config
+                model.save_pretrained(str(tmp))
+                tok.save_pretrained(str(tmp))
+                (tmp / _DONE_MARK).write_text(f"{src.name}\n")
         if path.exists():  # an interrupted earlier attempt
             shutil.rmtree(path)
         tmp.rename(path)
