@@ -39,14 +39,14 @@ VLLM_BLOCKS = 12
 DAEMON_ARGS = ["--host-capacity", "512MiB", "--disk-capacity", "2GiB", "--slab-bytes", "32MiB"]
 
 
-def system_prompt(topic: str) -> str:
+def system_prompt(topic: str, rules: int = 30) -> str:
     rules = [f"Rule {i}: members of the {topic} library return items within {i + 2} days and clean them."
-             for i in range(30)]
+             for i in range(rules)]
     return f"You are the assistant of the {topic} tool library. " + " ".join(rules)
 
 
-def chat(topic: str, question: str = "How do I join?") -> list[dict[str, str]]:
-    return [{"role": "system", "content": system_prompt(topic)}, {"role": "user", "content": question}]
+def chat(topic: str, question: str = "How do I join?", rules: int = 30) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system_prompt(topic, rules)}, {"role": "user", "content": question}]
 
 
 def metric(server: VllmServer, name: str) -> float:
@@ -244,16 +244,18 @@ def test_daemon_killed_mid_request_requests_are_still_answered(stack):
 
 
 def test_preempted_requests_resume_with_identical_output(stack):
-    questions = ["How do I join?", "What does it cost?", "Can I borrow a ladder?"]
-    convs = [chat("wharf", q) for q in questions]
+    # Three prompts of 3 blocks (no prefix shared) fit vLLM's 11 usable blocks together; each grows to 4
+    # while decoding, so vLLM preempts one, whose blocks then come back from tierkv.
+    long = {"ignore_eos": True}
+    convs = [chat(topic, rules=14) for topic in ("wharf", "dock", "pier")]
     alone = []
     for m in convs:
         stack.server.reset_prefix_cache()
-        alone.append(stack.server.chat(m, max_tokens=200))
+        alone.append(stack.server.chat(m, max_tokens=120, extra=long))
     preempted = metric(stack.server, "vllm:num_preemptions_total")
     stack.server.reset_prefix_cache()
     out: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda i=i, m=m: out.update({i: stack.server.chat(m, max_tokens=200)}))
+    threads = [threading.Thread(target=lambda i=i, m=m: out.update({i: stack.server.chat(m, max_tokens=120, extra=long)}))
                for i, m in enumerate(convs)]
     for t in threads:
         t.start()

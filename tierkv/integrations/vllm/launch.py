@@ -171,12 +171,14 @@ class VllmServer:
         return json.loads(data) if data else {}
 
     def chat(self, messages: list[dict[str, str]], *, max_tokens: int = 32, salt: str | None = None,
-             timeout: float = 300.0) -> ChatReply:
-        """A streamed, greedy chat completion; TTFT is taken at the first content token."""
+             timeout: float = 300.0, extra: dict[str, Any] | None = None) -> ChatReply:
+        """A streamed, greedy chat completion; TTFT is taken at the first content token. ``extra``: more
+        request fields (e.g. vLLM's ``ignore_eos``)."""
         body: dict[str, Any] = {"model": self.name, "messages": messages, "max_tokens": max_tokens,
                                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         if salt:
             body["cache_salt"] = salt
+        body.update(extra or {})
         req = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
