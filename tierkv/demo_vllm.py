@@ -66,7 +66,7 @@ def run_vllm_chat(model_dir: str, socket: str, turns: Sequence[str], log_dir: Pa
     server = VllmServer(model_dir, socket, log_dir / "vllm.log", num_blocks=VLLM_BLOCKS)
     reports: list[VllmTurn] = []
     say(f"starting vLLM's OpenAI server with tierkv as its KV connector (log {server.log_path}) ...")
-    server.start()
+    _start(server)
     try:
         for i, user in enumerate(turns, 1):
             messages.append({"role": "user", "content": user})
@@ -83,10 +83,17 @@ def run_vllm_chat(model_dir: str, socket: str, turns: Sequence[str], log_dir: Pa
             if i == restart_after and i < len(turns):
                 say("restarting vLLM (its own KV cache starts empty; tierkv keeps the blocks) ...")
                 server.stop()
-                server.start()
+                _start(server)
     finally:
         server.stop()
     return reports
+
+
+def _start(server: VllmServer) -> None:
+    """Start the server and send one tiny request: the first request of a process pays one-off set-up
+    costs that belong to neither measurement."""
+    server.start()
+    server.chat([{"role": "user", "content": "Hello"}], max_tokens=1)
 
 
 def _turn(i: int, user: str, reply: ChatReply, recompute: ChatReply, served: dict[str, int],
