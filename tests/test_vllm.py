@@ -65,7 +65,11 @@ class Stack:
         self.daemon = Daemon(work / "daemon", DAEMON_ARGS)
         self.daemon.workdir.mkdir(parents=True, exist_ok=True)
         self.daemon.start()
-        self.server = self.new_server("a").start()
+        try:
+            self.server = self.new_server("a").start()
+        except BaseException:
+            self.daemon.stop()
+            raise
 
     def new_server(self, name: str, **kw) -> VllmServer:
         return VllmServer(self.model_dir, self.daemon.socket, self.work / f"vllm-{name}.log", num_blocks=VLLM_BLOCKS,

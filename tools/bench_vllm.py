@@ -1,9 +1,11 @@
 """vLLM serving a multi-turn workload through its OpenAI API: vLLM alone, vLLM + its ExampleConnector,
 vLLM + tierkv, in one run.
 
-Workload: N conversations x T turns sharing one system prompt, sent round-robin (turn 1 of every
-conversation, then turn 2, ...) by one streaming client, so vLLM's own KV cache (kept small with
-``--num-gpu-blocks-override``) cannot hold them all. Then the server restarts and every conversation
+Workload: N conversations x T turns sharing one system prompt; each conversation opens with its own
+member file (about 800 tokens, as a RAG document or a long first message would be), later turns ask
+short questions. Turns are sent round-robin (turn 1 of every conversation, then turn 2, ...) by one
+streaming client, so vLLM's own KV cache (kept small with ``--num-gpu-blocks-override``) cannot hold
+them all. Then the server restarts and every conversation
 sends one more turn. Then a workload with no reuse at all (a different system prompt per request).
 
 Per configuration and phase: TTFT p50/p99 (first content token, as the client sees it), requests/s,
@@ -31,8 +33,9 @@ from tierkv.integrations.model import ensure_converted
 from tierkv.integrations.vllm.launch import ChatReply, VllmServer
 
 SYSTEM = ("You are the help desk of the Harbour Street Tool Library. Answer in one short sentence. "
-          + " ".join(f"Rule {i}: a member may borrow up to {i % 5 + 1} tools of shelf {i} for {i % 7 + 2} days; "
-                     f"late returns of shelf {i} cost {i % 4 + 1} euros a day." for i in range(24)))
+          + " ".join(f"Rule {i}: a member may borrow up to {i % 5 + 1} tools of shelf {i} for {i % 7 + 2} days."
+                     for i in range(8)))
+CONDITIONS = ["clean", "scratched", "oiled", "dusty", "as new", "worn"]
 QUESTIONS = ["How do I join?", "What does a drill cost to borrow?", "Can I extend a loan?",
              "What if I break something?", "Do you repair toasters?", "Can I donate a saw?"]
 USERS = ["Ana", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Mo", "Nia",
@@ -58,13 +61,22 @@ class Phase:
                 "cached_fraction": sum(r.cached_tokens for r in self.replies) / prompt if prompt else 0.0}
 
 
+def member_file(c: int) -> str:
+    """Conversation ``c``'s own document: about 800 tokens no other conversation shares."""
+    name = f"{USERS[c % len(USERS)]}-{c}"
+    return f"Member file of {name}: " + " ".join(
+        f"Loan {k}: {name} took tool {(c * 37 + k * 11) % 97} on day {k * 3 + c}, back on day {k * 3 + c + 4}, "
+        f"{CONDITIONS[(c + k) % len(CONDITIONS)]}." for k in range(32))
+
+
 def conversation_turns(convs: int, turns: int):
     """Round-robin (conversation, messages) with replies filled in as they come."""
     history = [[{"role": "system", "content": SYSTEM}] for _ in range(convs)]
     for t in range(turns):
         for c in range(convs):
             q = QUESTIONS[(c + t) % len(QUESTIONS)]
-            history[c].append({"role": "user", "content": f"I am {USERS[c % len(USERS)]}. {q}"})
+            intro = member_file(c) + " " if t == 0 else ""
+            history[c].append({"role": "user", "content": f"{intro}I am {USERS[c % len(USERS)]}. {q}"})
             yield t, c, history[c]
 
 
