@@ -26,6 +26,7 @@ from .keys import FINGERPRINT_BYTES, MAX_KEY_BYTES, Namespace
 from .lookup_index import IndexedBlocks, LookupIndex
 from .lookup_index import available as lookup_index_available
 from .policy import History, make_policy, policy_class
+from .policy.placement import Placement
 from .stats import TierCounters
 from .streams import Copy
 from .tiers.disk import DiskTier, stored_size
@@ -136,8 +137,10 @@ class BlockTable:
         self.disk_policy = self._make_policy(cfg.disk.policy, cfg)
         self.host_limit = self.host.capacity  # effective capacity: `tune host.capacity` can lower it
         self.pinned_bytes = 0
-        self.admitted = 0
-        self.rejected = 0
+        # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
+        # history: the policies count uses with decay, admission counts each request once.
+        self.placement = Placement(cfg.disk.admission, History(max_entries=HISTORY_ENTRIES),
+                                   ghost_entries=HISTORY_ENTRIES // 2)
         self.host_stats = TierCounters()
         self.disk_stats = TierCounters()
         self.disk: DiskTier | None = None
@@ -361,6 +364,8 @@ class BlockTable:
                     durable_blocks.append(b)
                 parent = fk
             self._write_through(new)
+            if self.cfg.disk.admission == "predicted":
+                self.placement.stored(fks, time.monotonic())
             job = self._store(durable_blocks) if durable_blocks else None
             if job is not None and not wait:
                 s.pending.append(job)
@@ -570,6 +575,7 @@ class BlockTable:
                 if b is None:
                     break
                 add(_tier_of(b))
+            self._requested(s, keys)
         if self.remote is not None and len(out) < len(keys):
             # Only the part of the prefix no local tier holds, in one round trip (outside the lock).
             out += ["remote"] * self.remote.prefix_len(s.fp, keys[len(out):])
@@ -604,6 +610,7 @@ class BlockTable:
         finish. Returns a ticket for :meth:`wait`; never blocks on the disk. With ``tier="gpu"`` the
         lease is on GPU slots, promoted from host or disk in the background."""
         ns = self._ns(s)
+        self._requested(s, keys)
         if self._tier(tier) == "gpu":
             leased, tiers = self._promote_gpu(s, ns, keys, lease=True)
             with self.lock:
@@ -741,6 +748,7 @@ class BlockTable:
         every block not yet on the GPU into GPU memory) in the background (queued requests announced by
         the engine); returns how many loads started. Never blocks."""
         ns = self._ns(s)
+        self._requested(s, keys)
         if self._tier(tier) == "gpu":
             return len(self._promote_gpu(s, ns, keys, lease=False)[0])
         slot = slot_size_for(ns.layout.block_bytes)
@@ -1082,20 +1090,40 @@ class BlockTable:
         for fk in victims or ():
             self._drop_host(self.blocks[fk])
 
-    @staticmethod
-    def _worth_writing(b: Block, mode: str) -> bool:
-        """The admission rule of a colder tier: every block, blocks used twice / shared / pinned, or
+    def _worth_writing(self, b: Block, mode: str) -> bool:
+        """The admission rule of a colder tier: every block, the ones the placement rule predicts are
+        read again (every one while the writer keeps up), blocks used twice / shared / pinned, or
         pinned only."""
+        if mode == "predicted":
+            return self.placement.wants(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
+                                        spare=self.engine.store_backlog() == 0)
         return mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
 
     def _admit(self, b: Block) -> bool:
         """Whether a host victim is worth a disk write (durable puts and the flush skip this); counted."""
-        ok = self._worth_writing(b, self.cfg.disk.admission)
-        if ok:
-            self.admitted += 1
-        else:
-            self.rejected += 1
-        return ok
+        mode = self.cfg.disk.admission
+        if mode != "predicted":
+            ok = self._worth_writing(b, mode)
+            self.placement.admitted += ok
+            self.placement.rejected += not ok
+            return ok
+        return self.placement.admit(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
+                                    spare=self.engine.store_backlog() == 0)
+
+    def _requested(self, s: Session, keys: list[bytes]) -> None:
+        """A request named its prefix chain ``keys`` (lookup, fetch, prefetch): the placement rule
+        learns from it."""
+        if self.cfg.disk.admission == "predicted":
+            with self.lock:
+                self.placement.requested([s.fp + k for k in keys], time.monotonic())
+
+    def request_finished(self, s: Session, keys: list[bytes]) -> int:
+        """The engine finished a request whose prompt and output chain is ``keys``: a conversation tail
+        its next turn may extend. Returns how many of the keys are cached."""
+        fks = [s.fp + k for k in keys]
+        with self.lock:
+            self.placement.request_finished(fks, time.monotonic())
+            return sum(1 for fk in fks if fk in self.blocks)
 
     def _host_protected_clean(self, fk: bytes) -> bool:
         b = self.blocks[fk]
@@ -1361,6 +1389,7 @@ class BlockTable:
                             disk_policy.on_insert(b.fk, stored_size(b.disk_bytes), None)
                     self.disk_policy = disk_policy
             self.cfg = new
+            self.placement.update(mode=new.disk.admission)
             self.host_limit = min(self.host.capacity, new.host.capacity)
             if self.disk is not None:
                 self.disk.capacity = new.disk.capacity

@@ -190,6 +190,7 @@ class TierSpec:
             ``pinned``); ``True`` means ``reused`` (seen twice, shared or pinned), ``False`` ``all``.
         inclusive: a page read from this tier keeps its copy here (the daemon's disk tier does);
             otherwise it moves up and is written again when it is evicted.
+        policy: this tier's eviction policy, instead of the one the run names.
     """
 
     name: str
@@ -199,6 +200,14 @@ class TierSpec:
     compression: float = 1.0
     admission: bool | str = False
     inclusive: bool = False
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        from tierkv.policy.placement import MODES
+
+        if self.admission_mode not in MODES:
+            raise ValueError(f"tier {self.name}: admission must be one of {', '.join(MODES)}, "
+                             f"got {self.admission!r}")
 
     @property
     def admission_mode(self) -> str:
@@ -381,14 +390,18 @@ class Simulator:
         self.history = History(max_entries=max(1 << 16, 4 * workload.unique_pages))
         self._next_of: dict[int, float] = {}
         self._recompute: dict[int, float] | None = None
-        self.policies = [self._make_policy(policy, i) for i in range(len(config.tiers))]
+        names = [t.policy or policy for t in config.tiers]
+        if "default" in names:
+            raise ValueError("policy 'default' needs each tier's policy (TierSpec.policy; the CLI reads "
+                             "them from configs/default.toml)")
+        self.policies = [self._make_policy(name, i) for i, name in enumerate(names)]
         self.parent_of: dict[int, int] = {}  # page -> previous page of its prefix
         self._hit_tok = 0
         self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
         self._signals = [r for r in self.rules if r is not None]
         modes = [t.admission_mode for t in config.tiers[1:]]
         self.admission_name = ",".join(modes) if modes else "none"
-        self.placement_name = policy
+        self.placement_name = ",".join(f"{t.name}={n}" for t, n in zip(config.tiers, names))
 
     def _make_rule(self, tier: int) -> Placement | None:
         """The admission rule of tier ``tier`` (None: every victim is written)."""
@@ -533,14 +546,20 @@ def replay(workload: Workload, policy: str, config: ReplayConfig,
 
 
 def sweep(workload: Workload, policies: Sequence[str], capacities: Sequence[str], config: ReplayConfig,
-          progress: Callable[[ReplayResult], None] | None = None) -> list[ReplayResult]:
-    """Every policy at every first-tier capacity (OPT is added as the ceiling if missing)."""
+          progress: Callable[[ReplayResult], None] | None = None,
+          per_policy: Callable[[str, ReplayConfig], ReplayConfig] | None = None) -> list[ReplayResult]:
+    """Every policy at every first-tier capacity (OPT is added as the ceiling if missing).
+
+    ``per_policy(name, config)`` may return the config one policy runs with (its tiers' policies and
+    admission rules); the first tier's capacity is set afterwards.
+    """
     names = list(dict.fromkeys([*policies, "opt"]))
     out = []
     for cap in capacities:
-        tiers = [TierSpec(**{**asdict(config.tiers[0]), "capacity": cap}), *config.tiers[1:]]
-        cfg = ReplayConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "tiers": tiers})
         for name in names:
+            base = per_policy(name, config) if per_policy is not None else config
+            tiers = [TierSpec(**{**asdict(base.tiers[0]), "capacity": cap}), *base.tiers[1:]]
+            cfg = ReplayConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "tiers": tiers})
             res = replay(workload, name, cfg, cap)
             out.append(res)
             if progress:

@@ -77,6 +77,7 @@ class Placement:
         self.admitted = 0
         self.rejected = 0
         self.returns = 0
+        self.finished = 0
 
     # -- engine signals -----------------------------------------------------------------------
     def requested(self, keys: Sequence[Hashable], now: float, hits: int = 0) -> None:
@@ -100,14 +101,28 @@ class Placement:
         """``keys`` (a chain, in order) finished a request: a conversation tail that may be extended."""
         if not keys:
             return
+        self.finished += 1
         chain = self._chain.get(keys[-1])
         if chain is None:
             self.requested(keys, now)
             chain = self._chain[keys[-1]]
         chain.finished, chain.t, chain.tail = True, now, keys[-1]
 
+    def stored(self, keys: Sequence[Hashable], now: float) -> None:
+        """``keys`` (a chain, in order) were stored: a use for those no request has announced; a key
+        on the ghost list counts a return (it was dropped and computed again)."""
+        ghost, back = self._ghost, self._back
+        fresh = [k for k in keys if k not in self._chain]
+        for key in keys:
+            cls = ghost.pop(key, None)
+            if cls is not None:
+                back[cls] = back.get(cls, 0.0) + 1.0
+                self.returns += 1
+        if fresh:
+            self.requested(fresh, now)
+
     def _trim(self) -> None:
-        cap = 4 * self._settings["ghost_entries"]
+        cap = 2 * self._settings["ghost_entries"]
         while len(self._chain) > cap:
             key, _ = self._chain.popitem(last=False)
             self._depth.pop(key, None)
@@ -128,6 +143,22 @@ class Placement:
         back, gone = self._back.get(cls, 0.0), self._gone.get(cls, 0.0)
         return (back + 2.0 * self._settings["prior"]) / (back + gone + 2.0)
 
+    def wants(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
+              spare: bool = False) -> bool:
+        """Whether a victim ``key`` would be written (no side effects; see :meth:`admit`)."""
+        mode = self.mode
+        if mode == "all" or pinned:
+            return True
+        if mode == "pinned":
+            return False
+        if mode == "reused":
+            return sharers >= 2 or self.history.seen(key) >= 2
+        if spare or sharers >= 2:
+            return True
+        s = self._settings
+        saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self._depth.get(key, 0))
+        return self.reuse_p(self.block_class(key, now)) * saved >= s["write_s"]
+
     def admit(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
               spare: bool = False) -> bool:
         """Whether a victim ``key`` is written to the tier; counts and remembers the decision.
@@ -139,28 +170,14 @@ class Placement:
             pinned: the block belongs to a pinned prefix.
             spare: the writer has spare bandwidth (its queue is empty): every victim goes.
         """
-        ok = self._decide(key, now, sharers, pinned, spare)
+        ok = self.wants(key, now, sharers=sharers, pinned=pinned, spare=spare)
+        if self.mode == "predicted":
+            self._remember(key, self.block_class(key, now))
         if ok:
             self.admitted += 1
         else:
             self.rejected += 1
         return ok
-
-    def _decide(self, key: Hashable, now: float, sharers: int, pinned: bool, spare: bool) -> bool:
-        mode = self.mode
-        if mode == "all" or pinned:
-            return True
-        if mode == "pinned":
-            return False
-        if mode == "reused":
-            return sharers >= 2 or self.history.seen(key) >= 2
-        cls = self.block_class(key, now)
-        self._remember(key, cls)
-        if spare or sharers >= 2:
-            return True
-        s = self._settings
-        saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self._depth.get(key, 0))
-        return self.reuse_p(cls) * saved >= s["write_s"]
 
     def _remember(self, key: Hashable, cls: int) -> None:
         self._ghost[key] = cls
@@ -168,6 +185,13 @@ class Placement:
         if len(self._ghost) > self._settings["ghost_entries"]:
             _, old = self._ghost.popitem(last=False)
             self._gone[old] = self._gone.get(old, 0.0) + 1.0
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and the learned classes (for ``tierkv stats``)."""
+        classes = {str(c): round(self.reuse_p(c), 3) for c in sorted(set(self._back) | set(self._gone))}
+        return {"mode": self.mode, "admitted": self.admitted, "rejected": self.rejected,
+                "returns": self.returns, "finished_requests": self.finished, "ghost": len(self._ghost),
+                "classes": classes}
 
     # -- settings -----------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
