@@ -83,6 +83,7 @@ class Placement:
     def requested(self, keys: Sequence[Hashable], now: float, hits: int = 0) -> None:
         """A request looked up ``keys`` (its prefix chain, in order): one use each; ghosts return."""
         chain = _Chain(len(keys), now)
+        chain.tail = keys[-1] if keys else None
         for depth, key in enumerate(keys):
             self.history.use(key, now, 0.0)
             old = self._chain.get(key)
@@ -135,7 +136,7 @@ class Placement:
         if chain is None:
             return uses * 64
         live = now - chain.t <= self._settings["tail_ttl_s"]
-        tail = 1 + (chain.tail is key) if chain.finished else 0
+        tail = chain.tail is key or chain.tail == key
         return uses * 64 + (tail * 2 + live) * 8 + min(chain.length.bit_length(), 7)
 
     def reuse_p(self, cls: int) -> float:
@@ -185,6 +186,7 @@ class Placement:
         if len(self._ghost) > self._settings["ghost_entries"]:
             _, old = self._ghost.popitem(last=False)
             self._gone[old] = self._gone.get(old, 0.0) + 1.0
+
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and the learned classes (for ``tierkv stats``)."""
