@@ -4,6 +4,7 @@ and `tierkv replay --policy default` running what configs/default.toml sets."""
 from __future__ import annotations
 
 import json
+import time
 import tomllib
 
 import pytest
@@ -145,3 +146,23 @@ def test_replay_policy_default_runs_configs_default_toml(tmp_path):
     assert row["admission"] == toml["disk"]["admission"] == cfg.disk.admission
     for key in ("token_hit_rate", "disk_writes_bytes", "tier_hit_rate", "ttft_p50_s"):
         assert key in row
+
+
+def test_store_burst_under_the_default_evicts_clean_blocks(daemon_factory):
+    """Write-behind under the default rule: blocks are written while the disk is idle, so a burst
+    past the host capacity evicts clean blocks and never waits for a write."""
+    d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"])
+    with d.client() as c:  # 8 KiB blocks: 1,024 host slots
+        keys, blocks = keys_for(c, 1400, seed=17), rand_blocks(1400, seed=17)
+        c.put(keys[:800], blocks[:800])
+        deadline = time.time() + 30
+        while time.time() < deadline and c.stats()["tiers"]["disk"]["blocks"] < 700:
+            time.sleep(0.05)
+        assert c.stats()["tiers"]["disk"]["written_behind"] >= 700
+        t0 = time.perf_counter()
+        c.put(keys[800:], blocks[800:])
+        burst_s = time.perf_counter() - t0
+        st = c.stats()["tiers"]
+        assert st["host"]["evictions"] >= 400 - 224 and st["disk"]["admission"] == "predicted"
+        assert c.lookup(keys) == 1400
+        assert burst_s < 5.0, burst_s

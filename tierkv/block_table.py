@@ -27,6 +27,7 @@ from .lookup_index import IndexedBlocks, LookupIndex
 from .lookup_index import available as lookup_index_available
 from .policy import History, make_policy, policy_class
 from .policy.placement import Placement
+from .policy.reuse import ReuseModel
 from .stats import TierCounters
 from .streams import Copy
 from .tiers.disk import DiskTier, stored_size
@@ -133,7 +134,9 @@ class BlockTable:
         # One use history for both tiers (heat survives demotion), bounded so that a stream of
         # one-shot keys cannot grow the daemon's memory (~150 B a record).
         self.history = History(max_entries=HISTORY_ENTRIES)
-        self.host_policy = self._make_policy(cfg.host.policy, cfg)
+        # Which host blocks come back once they leave host memory (the host policy's reuse term).
+        self.host_reuse = ReuseModel(History(max_entries=HISTORY_ENTRIES))
+        self.host_policy = self._make_policy(cfg.host.policy, cfg, host=True)
         self.disk_policy = self._make_policy(cfg.disk.policy, cfg)
         self.host_limit = self.host.capacity  # effective capacity: `tune host.capacity` can lower it
         self.pinned_bytes = 0
@@ -364,8 +367,10 @@ class BlockTable:
                     durable_blocks.append(b)
                 parent = fk
             self._write_through(new)
+            now = time.monotonic()
+            self.host_reuse.stored(fks, now)
             if self.cfg.disk.admission == "predicted":
-                self.placement.stored(fks, time.monotonic())
+                self.placement.stored(fks, now)
             job = self._store(durable_blocks) if durable_blocks else None
             if job is not None and not wait:
                 s.pending.append(job)
@@ -1113,19 +1118,25 @@ class BlockTable:
     def _requested(self, s: Session, keys: list[bytes]) -> None:
         """A request named its prefix chain ``keys`` (lookup, fetch, prefetch): the placement rule
         learns from it."""
-        if self.cfg.disk.admission == "predicted":
-            with self.lock:
-                self.placement.requested([s.fp + k for k in keys], time.monotonic())
+        fks, now = [s.fp + k for k in keys], time.monotonic()
+        with self.lock:
+            self.host_reuse.requested(fks, now)
+            if self.cfg.disk.admission == "predicted":
+                self.placement.requested(fks, now)
 
     def request_finished(self, s: Session, keys: list[bytes]) -> int:
         """The engine finished a request whose prompt and output chain is ``keys``: a conversation tail
         its next turn may extend. Returns how many of the keys are cached."""
         fks = [s.fp + k for k in keys]
         with self.lock:
-            self.placement.request_finished(fks, time.monotonic())
+            now = time.monotonic()
+            self.host_reuse.request_finished(fks, now)
+            self.placement.request_finished(fks, now)
             return sum(1 for fk in fks if fk in self.blocks)
 
     def _host_protected_clean(self, fk: bytes) -> bool:
+        """A store making room skips this block: in use, or dirty and worth writing first (write-behind
+        cleans such blocks ahead, so a burst that fits the clean part of the tier does not wait)."""
         b = self.blocks[fk]
         return b.protected or (not b.on_disk and self.disk is not None and self._worth_writing(b, self.cfg.disk.admission))
 
@@ -1143,6 +1154,7 @@ class BlockTable:
 
     def _drop_host(self, b: Block) -> None:
         """Free a block's host slot (it stays on disk if it is there). Lock held."""
+        self.host_reuse.left(b.fk, time.monotonic(), len(self.host_policy))
         self.host_policy.on_remove(b.fk)
         self.host.free(b.host_off)  # type: ignore[arg-type]
         b.host_off = None
@@ -1368,7 +1380,7 @@ class BlockTable:
             raise ValueError("disk.capacity cannot grow past the size the daemon started with")
         host_policy = disk_policy = None
         if changed & {"host.policy"} or any(c.startswith("policy.") for c in changed):
-            host_policy = self._make_policy(new.host.policy, new)
+            host_policy = self._make_policy(new.host.policy, new, host=True)
         if changed & {"disk.policy"} or any(c.startswith("policy.") for c in changed):
             disk_policy = self._make_policy(new.disk.policy, new)
         with self.lock:
@@ -1487,13 +1499,17 @@ class BlockTable:
             self.index.close()
         self.host.close()
 
-    def _make_policy(self, name: str, cfg: Config):
-        """A tier's policy with the configured weights, sharing the table's history where it keeps one."""
+    def _make_policy(self, name: str, cfg: Config, host: bool = False):
+        """A tier's policy with the configured weights, sharing the table's history where it keeps one;
+        the host tier's also weighs blocks by the learned chance that they come back."""
         import inspect
 
         kwargs = cfg.policy_settings(name)
-        if "history" in inspect.signature(policy_class(name)).parameters:
+        params = inspect.signature(policy_class(name)).parameters
+        if "history" in params:
             kwargs["history"] = self.history
+        if host and "reuse" in params:
+            kwargs["reuse"] = self.host_reuse.predictor(time.monotonic)
         return make_policy(name, **kwargs)
 
     # ---- helpers ----------------------------------------------------------------------------------

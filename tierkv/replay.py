@@ -36,6 +36,7 @@ from typing import Any
 
 from tierkv.policy import History, make_policy
 from tierkv.policy.placement import Placement
+from tierkv.policy.reuse import ReuseModel
 from tierkv.replay_stack import TierStack
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -391,6 +392,10 @@ class Simulator:
         self._next_of: dict[int, float] = {}
         self._recompute: dict[int, float] | None = None
         names = [t.policy or policy for t in config.tiers]
+        # the first tier's attention policy weighs blocks by their learned chance of a return, as
+        # the daemon's host tier does
+        self.host_reuse = ReuseModel(History(max_entries=max(1 << 16, 4 * workload.unique_pages))) \
+            if names[0] == "attention" else None
         if "default" in names:
             raise ValueError("policy 'default' needs each tier's policy (TierSpec.policy; the CLI reads "
                              "them from configs/default.toml)")
@@ -398,7 +403,9 @@ class Simulator:
         self.parent_of: dict[int, int] = {}  # page -> previous page of its prefix
         self._hit_tok = 0
         self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
-        self._signals = [r for r in self.rules if r is not None]
+        self._signals: list[Any] = [r for r in self.rules if r is not None]
+        if self.host_reuse is not None:
+            self._signals.append(self.host_reuse)
         modes = [t.admission_mode for t in config.tiers[1:]]
         self.admission_name = ",".join(modes) if modes else "none"
         self.placement_name = ",".join(f"{t.name}={n}" for t, n in zip(config.tiers, names))
@@ -444,6 +451,8 @@ class Simulator:
             kwargs["next_use"] = self._next_of.__getitem__
         elif name == "attention":
             kwargs["history"] = self.history
+            if tier == 0 and self.host_reuse is not None:
+                kwargs["reuse"] = self.host_reuse.predictor(self.clock)
             if cfg.page_costs:
                 kwargs["cost_fn"] = self._page_cost_fn(tier)
             settings.setdefault("block_tokens", cfg.page_tokens)
@@ -462,7 +471,7 @@ class Simulator:
         tiers = cfg.tiers
         stack = self.stack = TierStack([t.name for t in tiers], self.caps, self.sizes,
                                        [t.inclusive for t in tiers], self.policies, cfg.page_bytes,
-                                       self._admit, self.parent_of)
+                                       self._admit, self.parent_of, self._left)
         hit_tokens = [0] * len(tiers)
         total_tokens = 0
         ttft: list[float] = []
@@ -507,7 +516,7 @@ class Simulator:
             k += 1
         self._hit_tok = sum(toks[:k])
         for rule in self._signals:
-            rule.requested(pages, now, k)
+            rule.requested(pages, now)
         for j in range(1, n):
             self.parent_of[pages[j]] = pages[j - 1]
         incoming: list[int] = []
@@ -532,6 +541,10 @@ class Simulator:
                     self.stack.c.move(spec.name, "gpu", load_b[t])
                 load += spec.latency_s
         return load
+
+    def _left(self, page: int, tier: int) -> None:
+        if tier == 0 and self.host_reuse is not None:
+            self.host_reuse.left(page, self.clock.now, len(self.policies[0]))
 
     def _admit(self, page: int, tier: int) -> bool:
         """Whether a victim of tier ``tier - 1`` is written into ``tier``."""

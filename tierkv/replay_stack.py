@@ -40,14 +40,17 @@ class TierStack:
         page_bytes: raw bytes of a page.
         admit: ``admit(page, tier, now) -> bool``: whether a victim is written into ``tier``.
         parent_of: page -> previous page of its prefix (for prefix-aware policies).
+        on_leave: ``on_leave(page, tier)`` for each victim chosen in a tier (before it moves).
     """
 
     def __init__(self, names: Sequence[str], caps: Sequence[int], sizes: Sequence[int],
                  inclusive: Sequence[bool], policies: Sequence[Any], page_bytes: int,
-                 admit: Callable[[int, int], bool], parent_of: dict[int, int]) -> None:
+                 admit: Callable[[int, int], bool], parent_of: dict[int, int],
+                 on_leave: Callable[[int, int], None] | None = None) -> None:
         self.names, self.caps, self.sizes = list(names), list(caps), list(sizes)
         self.inclusive, self.policies = list(inclusive), list(policies)
         self.page_bytes, self.admit, self.parent_of = page_bytes, admit, parent_of
+        self.on_leave = on_leave
         self.n = len(self.names)
         self.held: dict[int, int] = {}   # page -> bit mask of the tiers holding it
         self.used = [0] * self.n
@@ -91,6 +94,8 @@ class TierStack:
         below = t + 1
         down: list[int] = []
         for v in victims:
+            if self.on_leave is not None:
+                self.on_leave(v, t)
             self._remove(v, t)
             if v in self.held and self.held[v] >> below:
                 continue  # a copy further down is still there: nothing to write

@@ -468,6 +468,7 @@ class Server:
             tiers["host"]["bytes_stored"] = t.host.used_bytes
             tiers["host"]["pinned_bytes"] = t.pinned_bytes
             tiers["host"]["limit_bytes"] = t.host_limit
+            tiers["host"]["reuse"] = t.host_reuse.snapshot()
             if t.disk is not None:
                 tiers["disk"] = tier_snapshot(t.disk_stats, capacity=t.disk.capacity, used=t.disk_used,
                                               blocks=disk_blocks, codec=t.engine.codec, file_bytes=t.disk.file_bytes(),
