@@ -166,3 +166,33 @@ def test_store_burst_under_the_default_evicts_clean_blocks(daemon_factory):
         assert st["host"]["evictions"] >= 400 - 224 and st["disk"]["admission"] == "predicted"
         assert c.lookup(keys) == 1400
         assert burst_s < 5.0, burst_s
+
+
+def test_replay_advise_recommends_an_admission_setting(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(line(i * 1000, 1024, [i % 5, 100 + i]) for i in range(40)) + "\n")
+    res = CliRunner().invoke(replay_cmd, [str(path), "--advise", "--json", "--kv-bytes-per-token", "1"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.output)["recommended"]
+    assert rec["admission"] in ("predicted", "reused", "all")
+    assert set(rec["admission_runs"]) == {"predicted", "reused", "all"}
+    assert rec["opt"]["token_hit_rate"] >= max(r["token_hit_rate"] for r in rec["admission_runs"].values()) - 1e-9
+    res = CliRunner().invoke(replay_cmd, [str(path), "--advise", "--kv-bytes-per-token", "1"])
+    assert "disk.admission" in res.output
+
+
+def test_chat_trace_is_deterministic_and_multi_turn():
+    from tierkv.chat_trace import ChatTraceSpec, generate
+
+    spec = ChatTraceSpec(conversations=30, seed=3)
+    a, b = generate(spec), generate(spec)
+    assert a == b and a != generate(ChatTraceSpec(conversations=30, seed=4))
+    ts = [r["timestamp"] for r in a]
+    assert ts == sorted(ts)
+    w = Workload(parse_trace(json.dumps(r) for r in a))
+    # a later turn of a conversation starts with the earlier turn's full blocks
+    conv = [r["hash_ids"] for r in a if r["hash_ids"][-1].startswith("c0.")]
+    assert len(conv) >= 2 and conv[1][:len(conv[0]) - 1] == conv[0][:-1]
+    assert w.unique_pages < sum(len(p) for p in w.pages)
+    with pytest.raises(ValueError):
+        ChatTraceSpec(user_tokens=(5, 1))

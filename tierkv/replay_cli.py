@@ -26,6 +26,7 @@ from tierkv.replay import (
     profile,
     sweep,
 )
+from tierkv.replay_advise import advise_admission
 
 
 def _split(text: str) -> list[str]:
@@ -161,6 +162,11 @@ def _print_profile(p: dict[str, Any]) -> None:
     echo(f"recommended         gpu >= {fmt_bytes(rec['gpu_bytes'])}, host {fmt_bytes(rec['host_bytes'])}, "
          f"disk {fmt_bytes(rec['disk_bytes'])}")
     echo(f"                    ({rec['why']})")
+    if "admission" in rec:
+        runs = ", ".join(f"{m} {r['token_hit_rate'] * 100:.1f}% / {fmt_bytes(r['disk_writes_bytes'])} written"
+                         for m, r in rec["admission_runs"].items())
+        echo(f"admission           disk.admission = \"{rec['admission']}\" ({rec['admission_why']})")
+        echo(f"                    default placement: {runs}; opt {rec['opt']['token_hit_rate'] * 100:.1f}%")
 
 
 @click.command("replay")
@@ -249,6 +255,11 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
 
     if advise:
         prof = profile(workload, config)
+        rec = prof["recommended"]
+        adv = advise_admission(workload, config, rec["host_bytes"], rec["disk_bytes"],
+                               lambda name, cfg: tiers_for(name, cfg, daemon, admission))
+        rec["admission"], rec["admission_why"], rec["admission_runs"] = adv["admission"], adv["why"], adv["runs"]
+        rec["opt"] = adv["opt"]
         if as_json:
             click.echo(json.dumps(prof, indent=2))
         else:
