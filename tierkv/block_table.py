@@ -135,14 +135,14 @@ class BlockTable:
         # one-shot keys cannot grow the daemon's memory (~150 B a record).
         self.history = History(max_entries=HISTORY_ENTRIES)
         # Which host blocks come back once they leave host memory (the host policy's reuse term).
-        self.host_reuse = ReuseModel(History(max_entries=HISTORY_ENTRIES))
+        self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES)
         self.host_policy = self._make_policy(cfg.host.policy, cfg, host=True)
         self.disk_policy = self._make_policy(cfg.disk.policy, cfg)
         self.host_limit = self.host.capacity  # effective capacity: `tune host.capacity` can lower it
         self.pinned_bytes = 0
         # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
         # history: the policies count uses with decay, admission counts each request once.
-        self.placement = Placement(cfg.disk.admission, History(max_entries=HISTORY_ENTRIES),
+        self.placement = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
                                    ghost_entries=HISTORY_ENTRIES // 2)
         self.host_stats = TierCounters()
         self.disk_stats = TierCounters()
@@ -580,7 +580,6 @@ class BlockTable:
                 if b is None:
                     break
                 add(_tier_of(b))
-            self._requested(s, keys)
         if self.remote is not None and len(out) < len(keys):
             # Only the part of the prefix no local tier holds, in one round trip (outside the lock).
             out += ["remote"] * self.remote.prefix_len(s.fp, keys[len(out):])
@@ -1116,8 +1115,8 @@ class BlockTable:
                                     spare=self.engine.store_backlog() == 0)
 
     def _requested(self, s: Session, keys: list[bytes]) -> None:
-        """A request named its prefix chain ``keys`` (lookup, fetch, prefetch): the placement rule
-        learns from it."""
+        """A request uses its prefix chain ``keys`` (fetch, acquire, prefetch; a lookup is only a
+        query, and clients mostly answer it from the shared index): the reuse models learn from it."""
         fks, now = [s.fp + k for k in keys], time.monotonic()
         with self.lock:
             self.host_reuse.requested(fks, now)

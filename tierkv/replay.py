@@ -394,7 +394,7 @@ class Simulator:
         names = [t.policy or policy for t in config.tiers]
         # the first tier's attention policy weighs blocks by their learned chance of a return, as
         # the daemon's host tier does
-        self.host_reuse = ReuseModel(History(max_entries=max(1 << 16, 4 * workload.unique_pages))) \
+        self.host_reuse = ReuseModel(max_records=max(1 << 16, 4 * workload.unique_pages)) \
             if names[0] == "attention" else None
         if "default" in names:
             raise ValueError("policy 'default' needs each tier's policy (TierSpec.policy; the CLI reads "
@@ -416,10 +416,10 @@ class Simulator:
         if tier == 0 or spec.admission_mode == "all":
             return None
         # the rule counts every use itself, whatever the policy (the attention policies keep theirs)
-        seen = History(max_entries=max(1 << 16, 4 * self.w.unique_pages))
         settings = dict(self.config.admission_settings)
         settings.setdefault("ghost_entries", max(16, self.caps[tier] // max(self.sizes[tier], 1)))
-        return Placement(spec.admission_mode, seen, **settings)
+        settings.setdefault("max_records", max(1 << 16, 4 * self.w.unique_pages))
+        return Placement(spec.admission_mode, **settings)
 
     def _page_cost_fn(self, tier: int) -> Callable[[int, int], float]:
         """``cost_fn`` for tier ``tier``: seconds to need a page again once it left the tier."""

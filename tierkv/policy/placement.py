@@ -22,7 +22,6 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from tierkv.policy.base import Setting, checked_settings
-from tierkv.policy.history import History
 from tierkv.policy.reuse import ReuseModel
 
 MODES = ("predicted", "reused", "all", "pinned")
@@ -39,7 +38,6 @@ class Placement:
 
     Args:
         mode: ``predicted`` (the default), ``reused``, ``all`` or ``pinned``.
-        history: use counts for the reuse model; a private one is made if ``None``.
         **settings: see ``SETTINGS`` and :attr:`ReuseModel.SETTINGS`.
     """
 
@@ -50,11 +48,10 @@ class Placement:
         "write_s": Setting(0.02, "seconds of writer time one block costs", min=0.0),
     }
 
-    def __init__(self, mode: str = "predicted", history: History | None = None, **settings: Any) -> None:
+    def __init__(self, mode: str = "predicted", **settings: Any) -> None:
         self.mode = _check_mode(mode)
         own = {k: v for k, v in settings.items() if k not in ReuseModel.SETTINGS}
-        self.model = ReuseModel(history, **{k: v for k, v in settings.items() if k in ReuseModel.SETTINGS})
-        self.history = self.model.history
+        self.model = ReuseModel(**{k: v for k, v in settings.items() if k in ReuseModel.SETTINGS})
         self._settings = checked_settings(self.SETTINGS, {k: s.default for k, s in self.SETTINGS.items()},
                                           own, "admission")
         self.admitted = 0
@@ -83,11 +80,11 @@ class Placement:
         if mode == "pinned":
             return False
         if mode == "reused":
-            return sharers >= 2 or self.history.seen(key) >= 2
+            return sharers >= 2 or self.model.uses(key) >= 2
         if spare or sharers >= 2:
             return True
         s = self._settings
-        saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self.model.depth.get(key, 0))
+        saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self.model.depth(key))
         return self.model.p(key, now) * saved >= s["write_s"]
 
     def admit(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,

@@ -24,7 +24,6 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from tierkv.policy.base import Setting, checked_settings
-from tierkv.policy.history import History
 
 
 class _Chain:
@@ -36,11 +35,19 @@ class _Chain:
         self.length, self.t, self.tail = length, t, tail
 
 
+class _Rec:
+    """One block: the chain it was last seen in, its depth there, how often it was used."""
+
+    __slots__ = ("chain", "depth", "uses")
+
+    def __init__(self, chain: _Chain, depth: int) -> None:
+        self.chain, self.depth, self.uses = chain, depth, 0
+
+
 class ReuseModel:
     """Learns per block class how often blocks that left a tier come back (module docstring).
 
     Args:
-        history: use counts; a private one is made if ``None``.
         **settings: see ``SETTINGS``.
     """
 
@@ -48,14 +55,14 @@ class ReuseModel:
         "tail_ttl_s": Setting(600.0, "a requested or finished chain counts as live this long", min=0.0),
         "ghost_entries": Setting(1 << 16, "departures remembered to learn which classes come back", min=16),
         "prior": Setting(0.5, "return probability assumed for a class not seen yet", min=0.0, max=1.0),
+        "max_records": Setting(1 << 17, "blocks remembered (uses, chain), least recently used dropped first",
+                               min=16),
     }
 
-    def __init__(self, history: History | None = None, **settings: Any) -> None:
-        self.history = history if history is not None else History()
+    def __init__(self, **settings: Any) -> None:
         self._settings = {k: s.default for k, s in self.SETTINGS.items()}
         self.update(**settings)
-        self._chain: OrderedDict[Hashable, _Chain] = OrderedDict()
-        self.depth: dict[Hashable, int] = {}
+        self._rec: OrderedDict[Hashable, _Rec] = OrderedDict()
         self._ghost: OrderedDict[Hashable, int] = OrderedDict()
         self._back: dict[int, float] = {}
         self._gone: dict[int, float] = {}
@@ -68,15 +75,18 @@ class ReuseModel:
         if not keys:
             return
         chain = _Chain(len(keys), now, keys[-1])
-        chains, depth, use = self._chain, self.depth, self.history.use
+        recs = self._rec
         for d, key in enumerate(keys):
-            use(key, now, 0.0)
-            old = chains.get(key)
-            if old is not None and old.tail == key and old is not chain:
-                old.tail = None  # the chain it ended is extended by this request
-            chains[key] = chain
-            chains.move_to_end(key)
-            depth[key] = d
+            r = recs.get(key)
+            if r is None:
+                r = recs[key] = _Rec(chain, d)
+            else:
+                old = r.chain
+                if old is not chain and old.tail == key:
+                    old.tail = None  # the chain it ended is extended by this request
+                r.chain, r.depth = chain, d
+                recs.move_to_end(key)
+            r.uses += 1
         self._returned(keys)
         self._trim()
 
@@ -85,16 +95,16 @@ class ReuseModel:
         if not keys:
             return
         self.finished += 1
-        chain = self._chain.get(keys[-1])
-        if chain is None:
+        r = self._rec.get(keys[-1])
+        if r is None:
             self.requested(keys, now)
-            chain = self._chain[keys[-1]]
-        chain.t, chain.tail = now, keys[-1]
+            r = self._rec[keys[-1]]
+        r.chain.t, r.chain.tail = now, keys[-1]
 
     def stored(self, keys: Sequence[Hashable], now: float) -> None:
         """``keys`` (a chain, in order) were stored: a use for those no request named; a key on the
         ghost list counts a return (it was dropped and computed again)."""
-        fresh = [k for k in keys if k not in self._chain]
+        fresh = [k for k in keys if k not in self._rec]
         self._returned(keys)
         if fresh:
             self.requested(fresh, now)
@@ -119,21 +129,30 @@ class ReuseModel:
                 self.returns += 1
 
     def _trim(self) -> None:
-        cap = 2 * self._settings["ghost_entries"]
-        while len(self._chain) > cap:
-            key, _ = self._chain.popitem(last=False)
-            self.depth.pop(key, None)
+        recs, cap = self._rec, self._settings["max_records"]
+        while len(recs) > cap:
+            recs.popitem(last=False)
 
     # -- estimates ------------------------------------------------------------------------------
     def block_class(self, key: Hashable, now: float) -> int:
         """The class a block is learned in (see the module docstring)."""
-        uses = min(self.history.seen(key), 3)
-        chain = self._chain.get(key)
-        if chain is None:
-            return uses * 64
+        r = self._rec.get(key)
+        if r is None:
+            return 0
+        uses, chain = min(r.uses, 3), r.chain
         live = now - chain.t <= self._settings["tail_ttl_s"]
         tail = chain.tail == key
         return uses * 64 + (tail * 2 + live) * 8 + min(chain.length.bit_length(), 7)
+
+    def uses(self, key: Hashable) -> int:
+        """How many requests and stores used ``key`` (0 if it is not remembered)."""
+        r = self._rec.get(key)
+        return r.uses if r is not None else 0
+
+    def depth(self, key: Hashable) -> int:
+        """The block's position in the chain it was last seen in (0 if it is not remembered)."""
+        r = self._rec.get(key)
+        return r.depth if r is not None else 0
 
     def class_p(self, cls: int) -> float:
         """The learned chance that a block of class ``cls`` comes back."""
