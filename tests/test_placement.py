@@ -15,6 +15,7 @@ import tierkv
 from tierkv.config import Config
 from tierkv.errors import BadRequest
 from tierkv.policy.placement import Placement
+from tierkv.policy.reuse import ReuseModel
 from tierkv.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
 from tierkv.replay_cli import replay as replay_cmd
 
@@ -91,6 +92,37 @@ def test_rule_learns_that_finished_tails_come_back():
     assert rule.wants(tail[-1], now)
     assert rule.wants(("once", 1000), now, spare=True)  # spare write bandwidth: every victim goes
     assert rule.wants(("once", 1001), now, pinned=True)
+
+
+def test_reuse_model_tails_extension_and_bounds():
+    m = ReuseModel(max_records=32, ghost_entries=16)
+    m.requested(["a", "b"], 0.0)
+    m.request_finished(["a", "b"], 1.0)
+    tail_cls = m.block_class("b", 2.0)
+    m.requested(["a", "b", "c"], 3.0)  # the next turn extends the chain: "b" is no longer its tail
+    assert m.block_class("b", 4.0) != tail_cls and m.uses("b") == 2 and m.depth("c") == 2
+    assert m.block_class("c", 3.0 + 601.0) != m.block_class("c", 4.0)  # a chain idle past the TTL
+    for i in range(100):
+        m.requested([("k", i)], 10.0 + i)
+        m.left(("k", i), 10.0 + i)
+    assert len(m._rec) <= 32 and len(m._ghost) <= 16
+    assert m.class_p(m.block_class(("k", 99), 200.0)) < 0.2  # none of them came back
+    m.left("a", 300.0, horizon=20)
+    m.stored(["a"], 301.0)  # dropped, then computed and stored again: a return
+    assert m.returns == 1
+    with pytest.raises(ValueError):
+        ReuseModel(ghost_entries=1)
+
+
+def test_host_stats_show_the_learned_reuse(daemon_factory):
+    d = daemon_factory(["--host-capacity", "4MiB", "--slab-bytes", "1MiB"])
+    with d.client() as c:  # 8 KiB blocks: 512 slots
+        keys = keys_for(c, 700, seed=18)
+        for i in range(0, 700, 50):
+            c.put(keys[i:i + 50], rand_blocks(50, seed=18 + i))
+        c.get(keys[-10:])
+        reuse = c.stats()["tiers"]["host"]["reuse"]
+        assert reuse["ghost"] > 0 and set(reuse) >= {"returns", "classes", "finished_requests"}
 
 
 def test_rule_modes_and_bad_settings():
