@@ -12,13 +12,16 @@ The model, per request in timestamp order:
 
 1. Lookup: the longest prefix of pages present in any tier hits; each hit is served by the tier it
    is in. Pages after the first miss are recomputed even if cached (prefix semantics).
-2. Hits in a lower tier are promoted into the first tier (bytes moved ``lower->first``); misses
-   are computed and inserted into the first tier. Every page of the request is protected
-   (leased) while room is made.
-3. Making room: the tier's policy picks victims (all or nothing); they are demoted to the next
-   tier if it admits them (disk admission by default), else dropped. Tiers are exclusive.
+2. Hits in a lower tier are promoted into the first tier (bytes moved ``lower->first``); an
+   inclusive tier (the daemon's disk) keeps its copy. Misses are computed and inserted into the
+   first tier. Every page of the request is protected (leased) while room is made.
+3. Making room: the tier's policy picks victims (all or nothing); a victim with a copy further
+   down just leaves, the others are written to the next tier if its admission rule
+   (:class:`~tierkv.policy.placement.Placement`) takes them, else dropped.
 4. Time to first token: ``max(recompute time of the missed tokens, load time of the hit bytes)``
    (loads overlap layer-wise with compute); recompute cost per token grows with its position.
+5. The request finishes: its pages are a chain tail until a later request extends the chain (the
+   engine's ``request_finished`` signal, fed to the same reuse models as in the daemon).
 
 Every policy object is built with :func:`tierkv.policy.make_policy`, driven by the trace clock.
 """
