@@ -228,3 +228,15 @@ def test_chat_trace_is_deterministic_and_multi_turn():
     assert w.unique_pages < sum(len(p) for p in w.pages)
     with pytest.raises(ValueError):
         ChatTraceSpec(user_tokens=(5, 1))
+
+
+def test_admission_mode_tunes_at_run_time(daemon):
+    from tierkv.cli import main
+
+    r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.admission=reused"])
+    assert r.exit_code == 0, r.output
+    disk = daemon.stats()["tiers"]["disk"]
+    assert disk["admission"] == "reused" and disk["placement"]["mode"] == "reused"
+    r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.admission=sometimes"])
+    assert r.exit_code != 0
+    assert daemon.stats()["tiers"]["disk"]["placement"]["mode"] == "reused"
