@@ -114,7 +114,7 @@ def test_window_demotes_middle_by_attention(daemon):
 
 
 def test_disk_admission_reused_only(daemon_factory):
-    d = daemon_factory(["--host-capacity", "4MiB", "--slab-bytes", "1MiB"])  # default admission: reused
+    d = daemon_factory(["--host-capacity", "4MiB", "--slab-bytes", "1MiB"], env={"TIERKV_DISK_ADMISSION": "reused"})
     with d.client(layout=BIG) as c:
         hot = keys_for(c, 4, seed=5)
         c.put(hot, rand_blocks(4, BIG, seed=5))

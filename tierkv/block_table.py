@@ -26,6 +26,8 @@ from .keys import FINGERPRINT_BYTES, MAX_KEY_BYTES, Namespace
 from .lookup_index import IndexedBlocks, LookupIndex
 from .lookup_index import available as lookup_index_available
 from .policy import History, make_policy, policy_class
+from .policy.placement import Placement
+from .policy.reuse import ReuseModel
 from .stats import TierCounters
 from .streams import Copy
 from .tiers.disk import DiskTier, stored_size
@@ -133,12 +135,16 @@ class BlockTable:
         # One use history for both tiers (heat survives demotion), bounded so that a stream of
         # one-shot keys cannot grow the daemon's memory (~150 B a record).
         self.history = History(max_entries=HISTORY_ENTRIES)
-        self.host_policy = self._make_policy(cfg.host.policy, cfg)
+        # Which host blocks come back once they leave host memory (the host policy's reuse term).
+        self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES)
+        self.host_policy = self._make_policy(cfg.host.policy, cfg, host=True)
         self.disk_policy = self._make_policy(cfg.disk.policy, cfg)
         self.host_limit = self.host.capacity  # effective capacity: `tune host.capacity` can lower it
         self.pinned_bytes = 0
-        self.admitted = 0
-        self.rejected = 0
+        # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
+        # history: the policies count uses with decay, admission counts each request once.
+        self.placement = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
+                                   ghost_entries=HISTORY_ENTRIES // 2)
         self.host_stats = TierCounters()
         self.disk_stats = TierCounters()
         self.disk: DiskTier | None = None
@@ -363,6 +369,10 @@ class BlockTable:
                     durable_blocks.append(b)
                 parent = fk
             self._write_through(new)
+            now = time.monotonic()
+            self.host_reuse.stored(fks, now)
+            if self.cfg.disk.admission == "predicted":
+                self.placement.stored(fks, now)
             job = self._store(durable_blocks) if durable_blocks else None
             if job is not None and not wait:
                 s.pending.append(job)
@@ -606,6 +616,7 @@ class BlockTable:
         finish. Returns a ticket for :meth:`wait`; never blocks on the disk. With ``tier="gpu"`` the
         lease is on GPU slots, promoted from host or disk in the background."""
         ns = self._ns(s)
+        self._requested(s, keys)
         if self._tier(tier) == "gpu":
             leased, tiers = self._promote_gpu(s, ns, keys, lease=True)
             with self.lock:
@@ -751,6 +762,7 @@ class BlockTable:
         every block not yet on the GPU into GPU memory) in the background (queued requests announced by
         the engine); returns how many loads started. Never blocks."""
         ns = self._ns(s)
+        self._requested(s, keys)
         if self._tier(tier) == "gpu":
             return len(self._promote_gpu(s, ns, keys, lease=False)[0])
         slot = slot_size_for(ns.layout.block_bytes)
@@ -1092,22 +1104,48 @@ class BlockTable:
         for fk in victims or ():
             self._drop_host(self.blocks[fk])
 
-    @staticmethod
-    def _worth_writing(b: Block, mode: str) -> bool:
-        """The admission rule of a colder tier: every block, blocks used twice / shared / pinned, or
+    def _worth_writing(self, b: Block, mode: str) -> bool:
+        """The admission rule of a colder tier: every block, the ones the placement rule predicts are
+        read again (every one while the writer keeps up), blocks used twice / shared / pinned, or
         pinned only."""
+        if mode == "predicted":
+            return self.placement.wants(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
+                                        spare=self.engine.store_backlog() == 0)
         return mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
 
     def _admit(self, b: Block) -> bool:
         """Whether a host victim is worth a disk write (durable puts and the flush skip this); counted."""
-        ok = self._worth_writing(b, self.cfg.disk.admission)
-        if ok:
-            self.admitted += 1
-        else:
-            self.rejected += 1
-        return ok
+        mode = self.cfg.disk.admission
+        if mode != "predicted":
+            ok = self._worth_writing(b, mode)
+            self.placement.admitted += ok
+            self.placement.rejected += not ok
+            return ok
+        return self.placement.admit(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
+                                    spare=self.engine.store_backlog() == 0)
+
+    def _requested(self, s: Session, keys: list[bytes]) -> None:
+        """A request uses its prefix chain ``keys`` (fetch, acquire, prefetch; a lookup is only a
+        query, and clients mostly answer it from the shared index): the reuse models learn from it."""
+        fks, now = [s.fp + k for k in keys], time.monotonic()
+        with self.lock:
+            self.host_reuse.requested(fks, now)
+            if self.cfg.disk.admission == "predicted":
+                self.placement.requested(fks, now)
+
+    def request_finished(self, s: Session, keys: list[bytes]) -> int:
+        """The engine finished a request whose prompt and output chain is ``keys``: a conversation tail
+        its next turn may extend. Returns how many of the keys are cached."""
+        fks = [s.fp + k for k in keys]
+        with self.lock:
+            now = time.monotonic()
+            self.host_reuse.request_finished(fks, now)
+            self.placement.request_finished(fks, now)
+            return sum(1 for fk in fks if fk in self.blocks)
 
     def _host_protected_clean(self, fk: bytes) -> bool:
+        """A store making room skips this block: in use, or dirty and worth writing first (write-behind
+        cleans such blocks ahead, so a burst that fits the clean part of the tier does not wait)."""
         b = self.blocks[fk]
         return b.protected or (not b.on_disk and self.disk is not None and self._worth_writing(b, self.cfg.disk.admission))
 
@@ -1125,6 +1163,7 @@ class BlockTable:
 
     def _drop_host(self, b: Block) -> None:
         """Free a block's host slot (it stays on disk if it is there). Lock held."""
+        self.host_reuse.left(b.fk, time.monotonic(), len(self.host_policy))
         self.host_policy.on_remove(b.fk)
         self.host.free(b.host_off)  # type: ignore[arg-type]
         b.host_off = None
@@ -1350,7 +1389,7 @@ class BlockTable:
             raise ValueError("disk.capacity cannot grow past the size the daemon started with")
         host_policy = disk_policy = None
         if changed & {"host.policy"} or any(c.startswith("policy.") for c in changed):
-            host_policy = self._make_policy(new.host.policy, new)
+            host_policy = self._make_policy(new.host.policy, new, host=True)
         if changed & {"disk.policy"} or any(c.startswith("policy.") for c in changed):
             disk_policy = self._make_policy(new.disk.policy, new)
         with self.lock:
@@ -1371,6 +1410,7 @@ class BlockTable:
                             disk_policy.on_insert(b.fk, stored_size(b.disk_bytes), None)
                     self.disk_policy = disk_policy
             self.cfg = new
+            self.placement.update(mode=new.disk.admission)
             self.host_limit = min(self.host.capacity, new.host.capacity)
             if self.disk is not None:
                 self.disk.capacity = new.disk.capacity
@@ -1468,13 +1508,17 @@ class BlockTable:
             self.index.close()
         self.host.close()
 
-    def _make_policy(self, name: str, cfg: Config):
-        """A tier's policy with the configured weights, sharing the table's history where it keeps one."""
+    def _make_policy(self, name: str, cfg: Config, host: bool = False):
+        """A tier's policy with the configured weights, sharing the table's history where it keeps one;
+        the host tier's also weighs blocks by the learned chance that they come back."""
         import inspect
 
         kwargs = cfg.policy_settings(name)
-        if "history" in inspect.signature(policy_class(name)).parameters:
+        params = inspect.signature(policy_class(name)).parameters
+        if "history" in params:
             kwargs["history"] = self.history
+        if host and "reuse" in params:
+            kwargs["reuse"] = self.host_reuse.predictor(time.monotonic)
         return make_policy(name, **kwargs)
 
     # ---- helpers ----------------------------------------------------------------------------------

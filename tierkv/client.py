@@ -523,6 +523,12 @@ class Client:
         tier = self._pick_tier(tier, None)
         return int(self._call(Op.PREFETCH, {"keys": _check_keys(keys), "tier": tier})["started"])
 
+    def request_finished(self, keys: Sequence[bytes]) -> int:
+        """Tell the daemon a request finished: ``keys`` (its chained block keys, prompt and output, in
+        order) are a conversation tail the next turn may extend, so the daemon keeps them (writes them
+        to disk when they leave host memory). Returns how many of the keys are cached."""
+        return int(self._call(Op.REQUEST_FINISHED, {"keys": _check_keys(keys)})["cached"])
+
     def lookup_plan(self, keys: Sequence[bytes]) -> dict[str, Any]:
         """Per leading cached block: ``tiers``, ``ready`` (in host memory now), and ``fetch``: how many
         leading blocks are worth fetching rather than recomputing, from the daemon's measured tier

@@ -97,9 +97,11 @@ class DiskConfig:
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
     policy: str = "attention"
     """Eviction policy for this tier (what to drop when the disk is full)."""
-    admission: Literal["all", "reused", "pinned"] = "reused"
-    """Which host victims are written to disk: every one, those used twice / shared / pinned, or pinned
-    only. Durable puts and the shutdown flush are always written."""
+    admission: Literal["predicted", "all", "reused", "pinned"] = "predicted"
+    """Which host victims are written to disk: ``predicted`` (every one while the writer keeps up; under
+    pressure those whose learned chance of a return, times the recompute time saved, beats the write),
+    every one, those used twice / shared / pinned, or pinned only. Durable puts and the shutdown flush
+    are always written."""
 
 
 @dataclass

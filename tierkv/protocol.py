@@ -58,6 +58,7 @@ class Op(enum.IntEnum):
     PLAN = 22
     RECOMPUTE = 23
     SYNC = 24
+    REQUEST_FINISHED = 25
 
 
 _local = threading.local()

@@ -12,13 +12,16 @@ The model, per request in timestamp order:
 
 1. Lookup: the longest prefix of pages present in any tier hits; each hit is served by the tier it
    is in. Pages after the first miss are recomputed even if cached (prefix semantics).
-2. Hits in a lower tier are promoted into the first tier (bytes moved ``lower->first``); misses
-   are computed and inserted into the first tier. Every page of the request is protected
-   (leased) while room is made.
-3. Making room: the tier's policy picks victims (all or nothing); they are demoted to the next
-   tier if it admits them (disk admission by default), else dropped. Tiers are exclusive.
+2. Hits in a lower tier are promoted into the first tier (bytes moved ``lower->first``); an
+   inclusive tier (the daemon's disk) keeps its copy. Misses are computed and inserted into the
+   first tier. Every page of the request is protected (leased) while room is made.
+3. Making room: the tier's policy picks victims (all or nothing); a victim with a copy further
+   down just leaves, the others are written to the next tier if its admission rule
+   (:class:`~tierkv.policy.placement.Placement`) takes them, else dropped.
 4. Time to first token: ``max(recompute time of the missed tokens, load time of the hit bytes)``
    (loads overlap layer-wise with compute); recompute cost per token grows with its position.
+5. The request finishes: its pages are a chain tail until a later request extends the chain (the
+   engine's ``request_finished`` signal, fed to the same reuse models as in the daemon).
 
 Every policy object is built with :func:`tierkv.policy.make_policy`, driven by the trace clock.
 """
@@ -34,7 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierkv.policy import Admission, History, make_policy
+from tierkv.policy import History, make_policy
+from tierkv.policy.placement import Placement
+from tierkv.policy.reuse import ReuseModel
+from tierkv.replay_stack import TierStack
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 NEVER = math.inf
@@ -183,7 +189,12 @@ class TierSpec:
             this tier into the compute device (0 = free, e.g. the GPU itself).
         latency_s: fixed cost added once per request that reads from this tier.
         compression: raw bytes / stored bytes (disk and remote tiers store encoded blocks).
-        admission: apply disk admission (seen twice, shared or pinned) to blocks demoted here.
+        admission: the rule for blocks demoted here: a mode of
+            :class:`~tierkv.policy.placement.Placement` (``predicted``, ``reused``, ``all``,
+            ``pinned``); ``True`` means ``reused`` (seen twice, shared or pinned), ``False`` ``all``.
+        inclusive: a page read from this tier keeps its copy here (the daemon's disk tier does);
+            otherwise it moves up and is written again when it is evicted.
+        policy: this tier's eviction policy, instead of the one the run names.
     """
 
     name: str
@@ -191,7 +202,23 @@ class TierSpec:
     read_bytes_per_s: float = 25e9
     latency_s: float = 0.0
     compression: float = 1.0
-    admission: bool = False
+    admission: bool | str = False
+    inclusive: bool = False
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        from tierkv.policy.placement import MODES
+
+        if self.admission_mode not in MODES:
+            raise ValueError(f"tier {self.name}: admission must be one of {', '.join(MODES)}, "
+                             f"got {self.admission!r}")
+
+    @property
+    def admission_mode(self) -> str:
+        """The admission rule by name: ``True`` is ``reused``, ``False`` is ``all``."""
+        if isinstance(self.admission, bool):
+            return "reused" if self.admission else "all"
+        return self.admission
 
 
 @dataclass
@@ -209,7 +236,7 @@ class ReplayConfig:
             time of its tokens at its position, or the fetch time from the next tier if lower) as
             ``cost_fn``, as the daemon passes its transfer engine's cost model.
         policy_settings: per policy name, settings passed to :func:`make_policy`.
-        admission_settings: settings of :class:`~tierkv.policy.Admission`.
+        admission_settings: settings of :class:`~tierkv.policy.placement.Placement`.
     """
 
     tiers: list[TierSpec] = field(default_factory=lambda: [TierSpec("host", "5%")])
@@ -308,6 +335,8 @@ class ReplayResult:
     ttft_recompute_p50_s: float
     ttft_recompute_p99_s: float
     wall_s: float
+    placement: str = ""
+    admission: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -365,10 +394,35 @@ class Simulator:
         self.history = History(max_entries=max(1 << 16, 4 * workload.unique_pages))
         self._next_of: dict[int, float] = {}
         self._recompute: dict[int, float] | None = None
-        self.policies = [self._make_policy(policy, i) for i in range(len(config.tiers))]
-        # admission counts every use itself, whatever the policy (the attention policies keep theirs)
-        self.seen = History(max_entries=max(1 << 16, 4 * workload.unique_pages))
-        self.admission = Admission(self.seen, **config.admission_settings)
+        names = [t.policy or policy for t in config.tiers]
+        # the first tier's attention policy weighs blocks by their learned chance of a return, as
+        # the daemon's host tier does
+        self.host_reuse = ReuseModel(max_records=max(1 << 16, 4 * workload.unique_pages)) \
+            if names[0] == "attention" else None
+        if "default" in names:
+            raise ValueError("policy 'default' needs each tier's policy (TierSpec.policy; the CLI reads "
+                             "them from configs/default.toml)")
+        self.policies = [self._make_policy(name, i) for i, name in enumerate(names)]
+        self.parent_of: dict[int, int] = {}  # page -> previous page of its prefix
+        self._hit_tok = 0
+        self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
+        self._signals: list[Any] = [r for r in self.rules if r is not None]
+        if self.host_reuse is not None:
+            self._signals.append(self.host_reuse)
+        modes = [t.admission_mode for t in config.tiers[1:]]
+        self.admission_name = ",".join(modes) if modes else "none"
+        self.placement_name = ",".join(f"{t.name}={n}" for t, n in zip(config.tiers, names))
+
+    def _make_rule(self, tier: int) -> Placement | None:
+        """The admission rule of tier ``tier`` (None: every victim is written)."""
+        spec = self.config.tiers[tier]
+        if tier == 0 or spec.admission_mode == "all":
+            return None
+        # the rule counts every use itself, whatever the policy (the attention policies keep theirs)
+        settings = dict(self.config.admission_settings)
+        settings.setdefault("ghost_entries", max(16, self.caps[tier] // max(self.sizes[tier], 1)))
+        settings.setdefault("max_records", max(1 << 16, 4 * self.w.unique_pages))
+        return Placement(spec.admission_mode, **settings)
 
     def _page_cost_fn(self, tier: int) -> Callable[[int, int], float]:
         """``cost_fn`` for tier ``tier``: seconds to need a page again once it left the tier."""
@@ -400,6 +454,8 @@ class Simulator:
             kwargs["next_use"] = self._next_of.__getitem__
         elif name == "attention":
             kwargs["history"] = self.history
+            if tier == 0 and self.host_reuse is not None:
+                kwargs["reuse"] = self.host_reuse.predictor(self.clock)
             if cfg.page_costs:
                 kwargs["cost_fn"] = self._page_cost_fn(tier)
             settings.setdefault("block_tokens", cfg.page_tokens)
@@ -415,152 +471,88 @@ class Simulator:
         """Replay the whole workload and return its figures."""
         t0 = time.perf_counter()
         w, cfg, clock = self.w, self.config, self.clock
-        tiers, policies, caps, sizes = cfg.tiers, self.policies, self.caps, self.sizes
-        ntiers = len(tiers)
-        where: dict[int, int] = {}          # page -> tier index
-        used = [0] * ntiers
-        hit_tokens = [0] * ntiers
-        moved: dict[str, int] = {}
-        self._dropped = 0
-        disk_writes = 0
+        tiers = cfg.tiers
+        stack = self.stack = TierStack([t.name for t in tiers], self.caps, self.sizes,
+                                       [t.inclusive for t in tiers], self.policies, cfg.page_bytes,
+                                       self._admit, self.parent_of, self._left)
+        hit_tokens = [0] * len(tiers)
         total_tokens = 0
         ttft: list[float] = []
         ttft_ref: list[float] = []
-        want_next = self.policy_name == "opt"
-        next_use = w.next_use if want_next else None
-        next_of = self._next_of
-        page_bytes = cfg.page_bytes
+        next_use = w.next_use if self.policy_name == "opt" else None
         rate, dbl = cfg.prefill_tokens_per_s, cfg.attn_double_tokens
-        needs_seen = any(t.admission for t in tiers)
-        seen_use = self.seen.use
-        parent_of: dict[int, int] = {}     # page -> previous page of its prefix
-
-        def make_room(t: int, nbytes: int, protect: set[int]) -> bool:
-            """Free ``nbytes`` in tier ``t`` (demoting victims further down). False if impossible."""
-            nonlocal disk_writes
-            need = used[t] + nbytes - caps[t]
-            if need <= 0:
-                return True
-            victims = policies[t].victims(need, protect.__contains__)
-            if victims is None:
-                return False
-            pol = policies[t]
-            for v in victims:
-                pol.on_remove(v)
-                used[t] -= sizes[t]
-                del where[v]
-            if t + 1 < ntiers:
-                below = t + 1
-                admit = self.admission.admit if tiers[below].admission else None
-                keep = [v for v in victims if admit is None or admit(v)]
-                self._dropped += (len(victims) - len(keep)) * page_bytes
-                if keep and not make_room(below, len(keep) * sizes[below], protect):
-                    # the lower tier is full of protected blocks: drop what does not fit
-                    fit = max(0, (caps[below] - used[below]) // sizes[below])
-                    self._dropped += (len(keep) - fit) * page_bytes
-                    keep = keep[:fit]
-                    if keep:
-                        make_room(below, len(keep) * sizes[below], protect)
-                pb = policies[below]
-                for v in keep:
-                    where[v] = below
-                    used[below] += sizes[below]
-                    pb.on_insert(v, sizes[below], parent_of.get(v))
-                if keep:
-                    key = f"{tiers[t].name}->{tiers[below].name}"
-                    moved[key] = moved.get(key, 0) + len(keep) * page_bytes
-                    if tiers[below].name == "disk":
-                        disk_writes += len(keep) * sizes[below]
-            else:
-                self._dropped += len(victims) * page_bytes
-            return True
-
         for i, req in enumerate(w.requests):
             clock.now = req.timestamp_s
             pages, toks = w.pages[i], w.tokens[i]
-            if want_next:
+            if next_use is not None:
                 for p, nu in zip(pages, next_use[i]):
-                    next_of[p] = nu
+                    self._next_of[p] = nu
             total_tokens += req.input_tokens
-            # 1. lookup: longest cached prefix
-            k = 0
-            n = len(pages)
-            while k < n and pages[k] in where:
-                k += 1
-            load_s = [0.0] * ntiers
-            hit_tok = 0
-            for j in range(k):
-                t = where[pages[j]]
-                hit_tokens[t] += toks[j]
-                hit_tok += toks[j]
-                load_s[t] += page_bytes
-            # 2. promote hits from lower tiers, insert misses, into tier 0
-            protect = set(pages)
-            if needs_seen:
-                for p in pages:
-                    seen_use(p, clock.now, 0.0)
-            if ntiers > 1:
-                for j in range(1, n):
-                    parent_of[pages[j]] = pages[j - 1]
-            incoming: list[tuple[int, int | None]] = []   # (page, parent)
-            for j in range(n):
-                p = pages[j]
-                t = where.get(p)
-                if t == 0:
-                    policies[0].on_access(p)
-                elif t is not None:
-                    policies[t].on_remove(p)
-                    used[t] -= sizes[t]
-                    del where[p]
-                    key = f"{tiers[t].name}->{tiers[0].name}"
-                    moved[key] = moved.get(key, 0) + page_bytes
-                    incoming.append((p, pages[j - 1] if j else None))
-                else:
-                    incoming.append((p, pages[j - 1] if j else None))
-            if incoming:
-                size0 = sizes[0]
-                if not make_room(0, len(incoming) * size0, protect):
-                    # more than fits beside the protected blocks: insert the prefix that fits
-                    fit = 0
-                    while fit < len(incoming) and make_room(0, size0, protect):
-                        self._insert0(incoming[fit], where, used)
-                        fit += 1
-                    self._dropped += (len(incoming) - fit) * page_bytes
-                    incoming = []
-                for item in incoming:
-                    self._insert0(item, where, used)
-            # 3. time to first token
-            compute = prefill_seconds(sum(toks[:k]), req.input_tokens, rate, dbl)
-            load = 0.0
-            for t in range(ntiers):
-                if load_s[t]:
-                    bw = tiers[t].read_bytes_per_s
-                    if bw > 0:  # read into the compute device
-                        load += load_s[t] / bw
-                        key = f"{tiers[t].name}->gpu"
-                        moved[key] = moved.get(key, 0) + int(load_s[t])
-                    load += tiers[t].latency_s
-            ttft.append(max(compute, load))
+            load_b = self._serve(pages, toks, hit_tokens)
+            compute = prefill_seconds(self._hit_tok, req.input_tokens, rate, dbl)
+            ttft.append(max(compute, self._load_seconds(load_b)))
             ttft_ref.append(prefill_seconds(0, req.input_tokens, rate, dbl))
-
+            for rule in self._signals:
+                rule.request_finished(pages, clock.now)
         total = max(total_tokens, 1)
         label = capacity_label if capacity_label is not None else str(tiers[0].capacity)
         return ReplayResult(
-            policy=self.policy_name, capacity=label, capacity_bytes=caps[0], requests=len(w.requests),
+            policy=self.policy_name, capacity=label, capacity_bytes=self.caps[0], requests=len(w.requests),
             input_tokens=total_tokens, token_hit_rate=sum(hit_tokens) / total,
-            tier_hit_rate={tiers[t].name: hit_tokens[t] / total for t in range(ntiers)},
-            bytes_moved=moved, disk_writes_bytes=disk_writes, dropped_bytes=self._dropped,
+            tier_hit_rate={tiers[t].name: hit_tokens[t] / total for t in range(len(tiers))},
+            bytes_moved=stack.c.moved, disk_writes_bytes=stack.c.disk_writes, dropped_bytes=stack.c.dropped_bytes,
             ttft_mean_s=sum(ttft) / max(len(ttft), 1), ttft_p50_s=_pct(ttft, 0.5), ttft_p99_s=_pct(ttft, 0.99),
             ttft_recompute_p50_s=_pct(ttft_ref, 0.5), ttft_recompute_p99_s=_pct(ttft_ref, 0.99),
-            wall_s=time.perf_counter() - t0)
+            wall_s=time.perf_counter() - t0, placement=self.placement_name, admission=self.admission_name)
 
-    def _insert0(self, item: tuple[int, int | None], where: dict[int, int], used: list[int]) -> None:
-        p, parent = item
-        where[p] = 0
-        used[0] += self.sizes[0]
-        pol = self.policies[0]
-        pol.on_insert(p, self.sizes[0], parent)
-        pol.on_access(p)
+    def _serve(self, pages: list[int], toks: list[int], hit_tokens: list[int]) -> list[int]:
+        """One request: count its prefix hits, promote cached pages and insert the rest into tier 0.
+        Returns the bytes read per tier."""
+        stack, now = self.stack, self.clock.now
+        held = stack.held
+        load_b = [0] * stack.n
+        k, n = 0, len(pages)
+        while k < n and pages[k] in held:
+            t = stack.fastest(pages[k])
+            hit_tokens[t] += toks[k]  # type: ignore[index]
+            load_b[t] += stack.page_bytes  # type: ignore[index]
+            k += 1
+        self._hit_tok = sum(toks[:k])
+        for rule in self._signals:
+            rule.requested(pages, now)
+        for j in range(1, n):
+            self.parent_of[pages[j]] = pages[j - 1]
+        incoming: list[int] = []
+        pol0 = self.policies[0]
+        for p in pages:
+            t = stack.fastest(p)
+            if t == 0:
+                pol0.on_access(p)
+                continue
+            if t is not None:
+                stack.promote(p, t)
+            incoming.append(p)
+        stack.insert0(incoming, set(pages))
+        return load_b
+
+    def _load_seconds(self, load_b: list[int]) -> float:
+        load = 0.0
+        for t, spec in enumerate(self.config.tiers):
+            if load_b[t]:
+                if spec.read_bytes_per_s > 0:  # read into the compute device
+                    load += load_b[t] / spec.read_bytes_per_s
+                    self.stack.c.move(spec.name, "gpu", load_b[t])
+                load += spec.latency_s
+        return load
+
+    def _left(self, page: int, tier: int) -> None:
+        if tier == 0 and self.host_reuse is not None:
+            self.host_reuse.left(page, self.clock.now, len(self.policies[0]))
+
+    def _admit(self, page: int, tier: int) -> bool:
+        """Whether a victim of tier ``tier - 1`` is written into ``tier``."""
+        rule = self.rules[tier]
+        return rule is None or rule.admit(page, self.clock.now)
 
 
 def replay(workload: Workload, policy: str, config: ReplayConfig,
@@ -570,14 +562,20 @@ def replay(workload: Workload, policy: str, config: ReplayConfig,
 
 
 def sweep(workload: Workload, policies: Sequence[str], capacities: Sequence[str], config: ReplayConfig,
-          progress: Callable[[ReplayResult], None] | None = None) -> list[ReplayResult]:
-    """Every policy at every first-tier capacity (OPT is added as the ceiling if missing)."""
+          progress: Callable[[ReplayResult], None] | None = None,
+          per_policy: Callable[[str, ReplayConfig], ReplayConfig] | None = None) -> list[ReplayResult]:
+    """Every policy at every first-tier capacity (OPT is added as the ceiling if missing).
+
+    ``per_policy(name, config)`` may return the config one policy runs with (its tiers' policies and
+    admission rules); the first tier's capacity is set afterwards.
+    """
     names = list(dict.fromkeys([*policies, "opt"]))
     out = []
     for cap in capacities:
-        tiers = [TierSpec(**{**asdict(config.tiers[0]), "capacity": cap}), *config.tiers[1:]]
-        cfg = ReplayConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "tiers": tiers})
         for name in names:
+            base = per_policy(name, config) if per_policy is not None else config
+            tiers = [TierSpec(**{**asdict(base.tiers[0]), "capacity": cap}), *base.tiers[1:]]
+            cfg = ReplayConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "tiers": tiers})
             res = replay(workload, name, cfg, cap)
             out.append(res)
             if progress:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import click
 
-from tierkv.policy import DEFAULT_POLICY, policy_class, policy_names
+from tierkv.config import Config, load_config
+from tierkv.policy import policy_class, policy_names
+from tierkv.policy.placement import MODES
 from tierkv.replay import (
     ReplayConfig,
     ReplayResult,
@@ -22,6 +25,7 @@ from tierkv.replay import (
     profile,
     sweep,
 )
+from tierkv.replay_advise import advise_admission
 
 
 def _split(text: str) -> list[str]:
@@ -44,6 +48,37 @@ def _policy_settings(sets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     return out
 
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+
+
+def daemon_config(path: Path | None) -> Config:
+    """The daemon settings ``--policy default`` replays: ``path``, else configs/default.toml, else the
+    built-in defaults (the environment is ignored: a replay does not depend on the shell)."""
+    if path is None and DEFAULT_CONFIG.is_file():
+        path = DEFAULT_CONFIG
+    cfg = load_config(path, env={})
+    cfg.validate()
+    return cfg
+
+
+def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -> ReplayConfig:
+    """The config policy ``name`` runs with: ``default`` takes each tier's policy, the policy weights
+    and the disk admission from the daemon's settings; ``opt`` writes every victim (the true
+    ceiling); any other policy uses ``admission``."""
+    tiers = [TierSpec(**asdict(t)) for t in config.tiers]
+    settings = {k: dict(v) for k, v in config.policy_settings.items()}
+    for t in tiers[1:]:
+        t.admission = "all" if name == "opt" else admission
+    if name == "default":
+        tiers[0].policy = daemon.host.policy
+        for t in tiers[1:]:
+            t.policy, t.admission = daemon.disk.policy, daemon.disk.admission
+        for pol in {t.policy for t in tiers}:
+            settings[pol] = {**daemon.policy_settings(pol), **settings.get(pol, {})}  # type: ignore[arg-type]
+    fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
+    return ReplayConfig(**{**fields, "tiers": tiers, "policy_settings": settings})
+
+
 def _table(results: list[ReplayResult], tiers: list[str]) -> str:
     lines = []
     by_cap: dict[str, list[ReplayResult]] = {}
@@ -54,7 +89,8 @@ def _table(results: list[ReplayResult], tiers: list[str]) -> str:
         opt = next((r.token_hit_rate for r in rows if r.policy == "opt"), None)
         lines.append(f"capacity {cap} ({fmt_bytes(rows[0].capacity_bytes)} in {tiers[0]})")
         head = f"  {'policy':<10} {'hit %':>6}" + "".join(f" {t + ' %':>7}" for t in tiers)
-        head += f" {'x lru':>6} {'to opt':>7} {'moved':>10} {'disk wr':>10} {'ttft p50':>9} {'p99':>8} {'time':>6}"
+        head += (f" {'x lru':>6} {'to opt':>7} {'moved':>10} {'disk wr':>10} {'ttft p50':>9} {'p99':>8}"
+                 f" {'time':>6}  admission")
         lines.append(head)
         for r in rows:
             x = f"{r.token_hit_rate / lru:.3f}" if lru else "-"
@@ -63,11 +99,14 @@ def _table(results: list[ReplayResult], tiers: list[str]) -> str:
             line += "".join(f" {r.tier_hit_rate.get(t, 0.0) * 100:7.2f}" for t in tiers)
             line += (f" {x:>6} {gap:>7} {fmt_bytes(sum(r.bytes_moved.values())):>10}"
                      f" {fmt_bytes(r.disk_writes_bytes):>10} {r.ttft_p50_s:8.3f}s {r.ttft_p99_s:7.3f}s"
-                     f" {r.wall_s:5.1f}s")
+                     f" {r.wall_s:5.1f}s  {r.admission}")
             lines.append(line)
         ref = rows[0]
         lines.append(f"  recompute-only TTFT p50 {ref.ttft_recompute_p50_s:.3f}s p99 {ref.ttft_recompute_p99_s:.3f}s; "
                      "'to opt' is points below Belady's oracle")
+        for r in rows:
+            if r.policy == "default":
+                lines.append(f"  default: {r.placement}, admission {r.admission} (the daemon's configuration)")
     return "\n".join(lines)
 
 
@@ -122,12 +161,19 @@ def _print_profile(p: dict[str, Any]) -> None:
     echo(f"recommended         gpu >= {fmt_bytes(rec['gpu_bytes'])}, host {fmt_bytes(rec['host_bytes'])}, "
          f"disk {fmt_bytes(rec['disk_bytes'])}")
     echo(f"                    ({rec['why']})")
+    if "admission" in rec:
+        runs = ", ".join(f"{m} {r['token_hit_rate'] * 100:.1f}% / {fmt_bytes(r['disk_writes_bytes'])} written"
+                         for m, r in rec["admission_runs"].items())
+        echo(f"admission           disk.admission = \"{rec['admission']}\" ({rec['admission_why']})")
+        echo(f"                    default placement: {runs}; opt {rec['opt']['token_hit_rate'] * 100:.1f}%")
 
 
 @click.command("replay")
 @click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--policy", "policies", default=f"lru,{DEFAULT_POLICY}", show_default=True,
-              help="Comma-separated policies to compare; Belady's OPT is always added as the ceiling.")
+@click.option("--policy", "policies", default="lru,default", show_default=True,
+              help="Comma-separated policies to compare; 'default' is the daemon's placement as the config "
+                   "sets it (per-tier policies and disk admission); Belady's OPT (writing every victim) is "
+                   "always added as the ceiling.")
 @click.option("--capacity", "capacities", default="2%,5%,10%", show_default=True,
               help="First-tier (host) capacities to sweep: % of the trace's unique bytes, or sizes like 8GiB.")
 @click.option("--disk-capacity", default=None, help="Add a disk tier below host: a % or a size (e.g. 50%, 2TiB).")
@@ -142,8 +188,14 @@ def _print_profile(p: dict[str, Any]) -> None:
 @click.option("--disk-latency-ms", default=0.1, show_default=True, type=click.FloatRange(0))
 @click.option("--disk-compression", default=1.4, show_default=True, type=click.FloatRange(1.0),
               help="Raw / stored bytes on disk.")
-@click.option("--disk-admission/--no-disk-admission", default=True, show_default=True,
-              help="Write a block to disk only if seen twice, shared or pinned.")
+@click.option("--admission", type=click.Choice(MODES), default="all", show_default=True,
+              help="Disk admission of the named policies other than 'default' and 'opt'.")
+@click.option("--disk-admission/--no-disk-admission", default=None,
+              help="Shorthand: --admission reused (written only if seen twice, shared or pinned) / all.")
+@click.option("--disk-exclusive", is_flag=True,
+              help="A block read from disk gives up its disk copy (the daemon keeps it: inclusive).")
+@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Daemon TOML that 'default' replays [default: configs/default.toml].")
 @click.option("--prefill-rate", default=10000.0, show_default=True, type=click.FloatRange(min=1e-9),
               help="Recompute speed, tokens/s at short context.")
 @click.option("--attn-double-tokens", default=30000.0, show_default=True, type=click.FloatRange(0),
@@ -157,7 +209,8 @@ def _print_profile(p: dict[str, Any]) -> None:
 @click.option("--advise", is_flag=True, help="Print the request profile and recommended tier sizes instead.")
 def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | None, page_tokens: int,
            trace_block_tokens: int, kv_bytes_per_token: int, host_bw: str, disk_bw: str,
-           disk_latency_ms: float, disk_compression: float, disk_admission: bool, prefill_rate: float,
+           disk_latency_ms: float, disk_compression: float, admission: str, disk_admission: bool | None,
+           disk_exclusive: bool, config_path: Path | None, prefill_rate: float,
            attn_double_tokens: float, sets: tuple[str, ...], limit: int | None, as_json: bool,
            plot_path: str | None, advise: bool) -> None:
     """Replay a Mooncake-format TRACE through the daemon's eviction policies.
@@ -169,7 +222,7 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         names = _split(policies)
         if not names:
             raise click.BadParameter("name at least one policy", param_hint="--policy")
-        known = policy_names(oracles=True)
+        known = [*policy_names(oracles=True), "default"]
         for n in names:
             if n not in known:
                 raise click.BadParameter(f"unknown policy {n!r} (known: {', '.join(known)})", param_hint="--policy")
@@ -183,7 +236,10 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         if disk_capacity:
             tiers.append(TierSpec("disk", disk_capacity, read_bytes_per_s=parse_rate(disk_bw),
                                   latency_s=disk_latency_ms / 1000.0, compression=disk_compression,
-                                  admission=disk_admission))
+                                  inclusive=not disk_exclusive))
+        if disk_admission is not None:
+            admission = "reused" if disk_admission else "all"
+        daemon = daemon_config(config_path)
         config = ReplayConfig(tiers=tiers, page_tokens=page_tokens, trace_block_tokens=trace_block_tokens,
                               kv_bytes_per_token=kv_bytes_per_token, prefill_tokens_per_s=prefill_rate,
                               attn_double_tokens=attn_double_tokens, policy_settings=psettings)
@@ -198,6 +254,11 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
 
     if advise:
         prof = profile(workload, config)
+        rec = prof["recommended"]
+        adv = advise_admission(workload, config, rec["host_bytes"], rec["disk_bytes"],
+                               lambda name, cfg: tiers_for(name, cfg, daemon, admission))
+        rec["admission"], rec["admission_why"], rec["admission_runs"] = adv["admission"], adv["why"], adv["runs"]
+        rec["opt"] = adv["opt"]
         if as_json:
             click.echo(json.dumps(prof, indent=2))
         else:
@@ -211,7 +272,8 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         def progress(r: ReplayResult) -> None:
             advance(1, f"{r.policy} @ {r.capacity}: {r.token_hit_rate * 100:.2f}%")
 
-        results = sweep(workload, names, caps, config, progress=progress)
+        results = sweep(workload, names, caps, config, progress=progress,
+                        per_policy=lambda name, cfg: tiers_for(name, cfg, daemon, admission))
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:

@@ -386,6 +386,9 @@ class Server:
         assert self.table is not None
         return {"deleted": self.table.delete(s, validate_keys(body.get("keys")))}
 
+    def _op_request_finished(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        return {"cached": self.table.request_finished(s, validate_keys(body.get("keys")))}
+
     def _op_touch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         assert self.table is not None
         keys = validate_keys(body.get("keys"))
@@ -496,13 +499,15 @@ class Server:
             tiers["host"]["bytes_stored"] = t.host.used_bytes
             tiers["host"]["pinned_bytes"] = t.pinned_bytes
             tiers["host"]["limit_bytes"] = t.host_limit
+            tiers["host"]["reuse"] = t.host_reuse.snapshot()
             if t.disk is not None:
                 tiers["disk"] = tier_snapshot(t.disk_stats, capacity=t.disk.capacity, used=t.disk_used,
                                               blocks=disk_blocks, codec=t.engine.codec, file_bytes=t.disk.file_bytes(),
                                               readers=t.disk.readers(), policy=t.disk_policy.name,
-                                              admission=t.cfg.disk.admission, admitted=t.admitted,
+                                              admission=t.cfg.disk.admission, admitted=t.placement.admitted,
                                               written_behind=t.written_behind,
-                                              rejected=t.rejected)
+                                              rejected=t.placement.rejected,
+                                              placement=t.placement.snapshot())
         remote = t.remote_snapshot()  # may touch the network: outside the table lock
         if remote is not None:
             tiers["remote"] = remote

@@ -117,6 +117,10 @@ class TransferEngine:
         self._stores.put(job)
         return job
 
+    def store_backlog(self) -> int:
+        """Store jobs queued behind the one being written (0: the writer keeps up)."""
+        return self._stores.qsize()
+
     def _write_loop(self) -> None:
         # Group commit: each commit syncs its data pages, and one sync of the meta page makes every
         # commit before it durable. Jobs written back to back share that sync: a job is finished (a

@@ -10,7 +10,9 @@ For block ``b`` resident in this tier (algorithms.md A3; higher stays longer)::
     C  = min(fetch_s from the next tier, recompute_s)       or ``cost_fn(key, size)``
          recompute_s = block_tokens / prefill_tokens_per_s * (1 + depth_tokens / attn_double_tokens)
     A  = attention mass reported by ``on_touch``, decayed with ``attn_half_life_s`` (1.0 = uniform)
-    priority = L + (F' * B * R + gamma * A) * C / S
+    P  = reuse(b)^reuse_weight                  the learned chance that the block comes back once
+                                                it leaves (``reuse``, a ReuseModel; 1 without one)
+    priority = L + (F' * B * R + gamma * A) * P * C / S
     L  = priority of the last block evicted from this tier (GDSF aging clock)
 
 A block is only a candidate once none of its prefix children is resident in this tier
@@ -38,6 +40,8 @@ class AttentionPolicy(HeapPolicy):
     Args:
         cost_fn: ``cost_fn(key, size) -> seconds`` to need the block again after it leaves this
             tier (e.g. the transfer engine's cost model); overrides the configured figures.
+        reuse: ``reuse(key) -> probability`` that the block is requested again once it leaves
+            (:meth:`~tierkv.policy.reuse.ReuseModel.predictor`); ``None`` leaves it out.
         history: shared use history; a private one is made if ``None``.
         **settings: see ``SETTINGS``.
     """
@@ -60,11 +64,14 @@ class AttentionPolicy(HeapPolicy):
                                       "context at which a token's prefill cost doubles (0 = flat)", min=0.0),
         "fetch_bytes_per_s": Setting(0.0, "read bandwidth of the next tier (0 = none: recompute)", min=0.0),
         "fetch_latency_s": Setting(0.0, "latency of one read from the next tier", min=0.0),
+        "reuse_weight": Setting(1.0, "exponent of the learned chance of a return (0 = off)", min=0.0),
     }
 
     def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None,
-                 history: History | None = None, **kwargs: Any) -> None:
+                 history: History | None = None, reuse: Callable[[Hashable], float] | None = None,
+                 **kwargs: Any) -> None:
         self.cost_fn = cost_fn
+        self.reuse = reuse
         self.history = history if history is not None else History()
         self._mass: dict[Hashable, tuple[float, float]] = {}  # key -> (mass, time reported)
         self._sharers: dict[Hashable, int] = {}
@@ -117,6 +124,8 @@ class AttentionPolicy(HeapPolicy):
             if s["attn_half_life_s"] > 0:
                 a *= 2.0 ** (-max(now - t, 0.0) / s["attn_half_life_s"])
             value += s["gamma"] * a
+        if self.reuse is not None and s["reuse_weight"]:
+            value *= self.reuse(key) ** s["reuse_weight"]
         size = self._size[key]
         value *= self.miss_cost(key, size, rec) * _MIB / max(size, 1)
         self._set_priority(key, self.level + value)

@@ -1,0 +1,242 @@
+"""Placement across the stack: the predicted admission rule, the engine's request-finished signal,
+and `tierkv replay --policy default` running what configs/default.toml sets."""
+
+from __future__ import annotations
+
+import json
+import time
+import tomllib
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import tierkv
+from tierkv.config import Config
+from tierkv.errors import BadRequest
+from tierkv.policy.placement import Placement
+from tierkv.policy.reuse import ReuseModel
+from tierkv.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
+from tierkv.replay_cli import replay as replay_cmd
+
+from .conftest import REPO
+from .test_daemon import keys_for, rand_blocks
+from .test_replay import PAGE, line
+
+MIB_LAYOUT = tierkv.Layout(8, 8, 128, 32, "bfloat16")  # 1 MiB blocks
+
+
+# -- the daemon ----------------------------------------------------------------------------------
+
+def test_store_overflow_reaches_disk_so_every_block_is_found(daemon_factory):
+    """96 blocks through a 64 MiB host tier with a 16 GiB disk: the overflow is written (the writer
+    keeps up), so lookup finds every block, and each reads back exactly."""
+    d = daemon_factory(["--host-capacity", "64MiB", "--disk-capacity", "16GiB", "--slab-bytes", "8MiB"])
+    with d.client(layout=MIB_LAYOUT) as c:
+        keys, blocks = keys_for(c, 96, seed=14), rand_blocks(96, MIB_LAYOUT, seed=14)
+        for i in range(0, 96, 8):
+            c.put(keys[i:i + 8], blocks[i:i + 8])
+        assert c.lookup(keys) == 96
+        st = c.stats()["tiers"]
+        assert st["disk"]["admission"] == "predicted" and st["disk"]["rejected"] == 0
+        for i in range(0, 96, 24):
+            assert torch.equal(c.get(keys[i:i + 24]).view(torch.int16), blocks[i:i + 24].view(torch.int16))
+
+
+def test_request_finished_reaches_the_placement_rule(daemon):
+    with daemon.client() as c:
+        keys = keys_for(c, 6, seed=15)
+        c.put(keys[:4], rand_blocks(4, seed=15))
+        assert c.request_finished(keys) == 4  # two keys are not cached (an output not stored yet)
+        place = c.stats()["tiers"]["disk"]["placement"]
+        assert place["mode"] == "predicted" and place["finished_requests"] == 1
+        with pytest.raises(BadRequest):
+            c.request_finished([b""])
+        assert c.request_finished([]) == 0
+
+
+def test_durable_puts_are_written_whatever_the_rule(daemon_factory):
+    d = daemon_factory(env={"TIERKV_DISK_ADMISSION": "pinned"})
+    with d.client() as c:
+        keys = keys_for(c, 8, seed=16)
+        c.put(keys, rand_blocks(8, seed=16), durable=True)
+        assert c.lookup_tiers(keys) == ["host"] * 8
+    d.restart()
+    with d.client() as c:
+        assert c.lookup_tiers(keys) == ["disk"] * 8
+
+
+# -- the rule ------------------------------------------------------------------------------------
+
+def test_rule_learns_that_finished_tails_come_back():
+    """Chains that are extended after they finish are written under pressure; a class of blocks
+    that never returns is skipped once the ghost list has seen enough of it."""
+    rule = Placement("predicted", ghost_entries=64, write_s=0.03)
+    now = 0.0
+    for i in range(200):  # one-shot chains of length 1: dropped, never requested again
+        key = ("once", i)
+        rule.requested([key], now)
+        rule.admit(key, now)
+        now += 1.0
+    assert not rule.wants(("once", 999), now)
+    for i in range(100):  # a conversation: each turn extends the last, whose tail was evicted
+        turn = [("chat", j) for j in range(4 * i + 4)]
+        rule.requested(turn, now)
+        rule.request_finished(turn, now)
+        for key in turn[-4:]:
+            rule.admit(key, now)
+        now += 1.0
+    tail = [("chat", j) for j in range(404)]
+    rule.requested(tail, now)
+    rule.request_finished(tail, now)
+    assert rule.wants(tail[-1], now)
+    assert rule.wants(("once", 1000), now, spare=True)  # spare write bandwidth: every victim goes
+    assert rule.wants(("once", 1001), now, pinned=True)
+
+
+def test_reuse_model_tails_extension_and_bounds():
+    m = ReuseModel(max_records=32, ghost_entries=16)
+    m.requested(["a", "b"], 0.0)
+    m.request_finished(["a", "b"], 1.0)
+    tail_cls = m.block_class("b", 2.0)
+    m.requested(["a", "b", "c"], 3.0)  # the next turn extends the chain: "b" is no longer its tail
+    assert m.block_class("b", 4.0) != tail_cls and m.uses("b") == 2 and m.depth("c") == 2
+    assert m.block_class("c", 3.0 + 601.0) != m.block_class("c", 4.0)  # a chain idle past the TTL
+    for i in range(100):
+        m.requested([("k", i)], 10.0 + i)
+        m.left(("k", i), 10.0 + i)
+    assert len(m._rec) <= 32 and len(m._ghost) <= 16
+    assert m.class_p(m.block_class(("k", 99), 200.0)) < 0.2  # none of them came back
+    m.left("a", 300.0, horizon=20)
+    m.stored(["a"], 301.0)  # dropped, then computed and stored again: a return
+    assert m.returns == 1
+    with pytest.raises(ValueError):
+        ReuseModel(ghost_entries=1)
+
+
+def test_host_stats_show_the_learned_reuse(daemon_factory):
+    d = daemon_factory(["--host-capacity", "4MiB", "--slab-bytes", "1MiB"])
+    with d.client() as c:  # 8 KiB blocks: 512 slots
+        keys = keys_for(c, 700, seed=18)
+        for i in range(0, 700, 50):
+            c.put(keys[i:i + 50], rand_blocks(50, seed=18 + i))
+        c.get(keys[-10:])
+        reuse = c.stats()["tiers"]["host"]["reuse"]
+        assert reuse["ghost"] > 0 and set(reuse) >= {"returns", "classes", "finished_requests"}
+
+
+def test_rule_modes_and_bad_settings():
+    assert Placement("all").wants("k", 0.0)
+    assert not Placement("pinned").wants("k", 0.0)
+    reused = Placement("reused")
+    reused.requested(["k"], 0.0)
+    assert not reused.wants("k", 0.0)
+    reused.requested(["k"], 1.0)
+    assert reused.wants("k", 1.0)
+    with pytest.raises(ValueError, match="admission mode"):
+        Placement("sometimes")
+    with pytest.raises(ValueError, match="no setting"):
+        Placement(bogus=1)
+    with pytest.raises(ValueError, match="admission mode"):
+        reused.update(mode="never")
+    assert reused.mode == "reused"
+
+
+# -- the simulator -------------------------------------------------------------------------------
+
+def test_replay_predicted_keeps_the_next_turn():
+    """A conversation whose turns arrive after the host has evicted the previous one: the reused
+    rule drops the once-used turn, the predicted rule writes it and the next turn hits on disk."""
+    lines, t = [], 0
+    for turn in range(1, 6):
+        lines.append(line(t, 512 * turn, list(range(turn))))
+        lines.append(line(t + 100, 512, [1000 + turn]))  # another user's one-shot prompt evicts it
+        t += 1000
+    w = Workload(parse_trace(lines))
+
+    def run(mode):
+        tiers = [TierSpec("host", PAGE), TierSpec("disk", 50 * PAGE, admission=mode, inclusive=True)]
+        return replay(w, "lru", ReplayConfig(tiers=tiers, kv_bytes_per_token=1))
+
+    old, new = run("reused"), run("predicted")
+    assert new.token_hit_rate > old.token_hit_rate
+    assert new.tier_hit_rate["disk"] == pytest.approx(new.token_hit_rate)
+    assert (new.admission, old.admission) == ("predicted", "reused")
+
+
+def test_replay_policy_default_runs_configs_default_toml(tmp_path):
+    with open(REPO / "configs" / "default.toml", "rb") as fh:
+        toml = tomllib.load(fh)
+    cfg = Config()
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(line(i * 1000, 1024, [i % 5, 100 + i]) for i in range(40)) + "\n")
+    res = CliRunner().invoke(replay_cmd, [str(path), "--policy", "default", "--capacity", "10%",
+                                          "--disk-capacity", "50%", "--kv-bytes-per-token", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    row = next(r for r in json.loads(res.output) if r["policy"] == "default")
+    assert row["placement"] == f"host={toml['host']['policy']},disk={toml['disk']['policy']}"
+    assert row["admission"] == toml["disk"]["admission"] == cfg.disk.admission
+    for key in ("token_hit_rate", "disk_writes_bytes", "tier_hit_rate", "ttft_p50_s"):
+        assert key in row
+
+
+def test_store_burst_under_the_default_evicts_clean_blocks(daemon_factory):
+    """Write-behind under the default rule: blocks are written while the disk is idle, so a burst
+    past the host capacity evicts clean blocks and never waits for a write."""
+    d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"])
+    with d.client() as c:  # 8 KiB blocks: 1,024 host slots
+        keys, blocks = keys_for(c, 1400, seed=17), rand_blocks(1400, seed=17)
+        c.put(keys[:800], blocks[:800])
+        deadline = time.time() + 30
+        while time.time() < deadline and c.stats()["tiers"]["disk"]["blocks"] < 700:
+            time.sleep(0.05)
+        assert c.stats()["tiers"]["disk"]["written_behind"] >= 700
+        t0 = time.perf_counter()
+        c.put(keys[800:], blocks[800:])
+        burst_s = time.perf_counter() - t0
+        st = c.stats()["tiers"]
+        assert st["host"]["evictions"] >= 400 - 224 and st["disk"]["admission"] == "predicted"
+        assert c.lookup(keys) == 1400
+        assert burst_s < 5.0, burst_s
+
+
+def test_replay_advise_recommends_an_admission_setting(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(line(i * 1000, 1024, [i % 5, 100 + i]) for i in range(40)) + "\n")
+    res = CliRunner().invoke(replay_cmd, [str(path), "--advise", "--json", "--kv-bytes-per-token", "1"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.output)["recommended"]
+    assert rec["admission"] in ("predicted", "reused", "all")
+    assert set(rec["admission_runs"]) == {"predicted", "reused", "all"}
+    assert rec["opt"]["token_hit_rate"] >= max(r["token_hit_rate"] for r in rec["admission_runs"].values()) - 1e-9
+    res = CliRunner().invoke(replay_cmd, [str(path), "--advise", "--kv-bytes-per-token", "1"])
+    assert "disk.admission" in res.output
+
+
+def test_chat_trace_is_deterministic_and_multi_turn():
+    from tierkv.chat_trace import ChatTraceSpec, generate
+
+    spec = ChatTraceSpec(conversations=30, seed=3)
+    a, b = generate(spec), generate(spec)
+    assert a == b and a != generate(ChatTraceSpec(conversations=30, seed=4))
+    ts = [r["timestamp"] for r in a]
+    assert ts == sorted(ts)
+    w = Workload(parse_trace(json.dumps(r) for r in a))
+    # a later turn of a conversation starts with the earlier turn's full blocks
+    conv = [r["hash_ids"] for r in a if r["hash_ids"][-1].startswith("c0.")]
+    assert len(conv) >= 2 and conv[1][:len(conv[0]) - 1] == conv[0][:-1]
+    assert w.unique_pages < sum(len(p) for p in w.pages)
+    with pytest.raises(ValueError):
+        ChatTraceSpec(user_tokens=(5, 1))
+
+
+def test_admission_mode_tunes_at_run_time(daemon):
+    from tierkv.cli import main
+
+    r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.admission=reused"])
+    assert r.exit_code == 0, r.output
+    disk = daemon.stats()["tiers"]["disk"]
+    assert disk["admission"] == "reused" and disk["placement"]["mode"] == "reused"
+    r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.admission=sometimes"])
+    assert r.exit_code != 0
+    assert daemon.stats()["tiers"]["disk"]["placement"]["mode"] == "reused"
