@@ -131,7 +131,8 @@ def test_decode_stores_each_block_as_it_fills_and_a_resumed_request_gets_new_blo
     req.all_token_ids.extend(range(BT))  # preempted, resumed on other blocks: nothing stored twice
     step = Step([], Cached(["d"], {"d"}, [([8, 9, 10],)], [3 * BT - 1]), {"d": 1})
     assert [io.block_ids for io in planner.step(step).stores] == [[10]]
-    assert planner.finished(req) and len(planner) == 0
+    assert planner.finished(req) == chain_keys(Namespace("vllm-plan", LAYOUT).fingerprint, req.all_token_ids, BT)
+    assert len(planner) == 0
 
 
 def test_missing_blocks_are_load_errors_never_wrong_data(daemon):

@@ -189,7 +189,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TierKVConnectorMetadata(loads=plan.loads, stores=plan.stores)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its blocks were stored as they filled, so vLLM may free them now."""
+        """Forget the request and tell the daemon its blocks are a conversation tail; they were stored as
+        they filled, so vLLM may free them now."""
         if self._planner is not None:
             self._planner.finished(request)
         return False, None

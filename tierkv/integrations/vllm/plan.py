@@ -154,9 +154,16 @@ class Planner:
             st.stored_blocks = full
 
     def finished(self, request: Any) -> list[bytes]:
-        """Forget a finished request; returns its keys (its chain, which a next turn may extend)."""
+        """Forget a finished request and tell the daemon its blocks are a conversation tail that a next
+        turn may extend; returns the keys of its stored blocks."""
         st = self._reqs.pop(request.request_id, None)
-        return [] if st is None else st.keys[:st.stored_blocks]
+        keys = [] if st is None else st.keys[:st.stored_blocks]
+        if keys:
+            try:
+                self.link.call(lambda c: c.request_finished(keys))
+            except TierKVError:  # a hint (an older daemon may not know it): losing it costs no request
+                pass
+        return keys
 
     def __len__(self) -> int:
         return len(self._reqs)
