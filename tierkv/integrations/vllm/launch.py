@@ -107,6 +107,9 @@ class VllmServer:
         self.port = self.port or free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                    VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_NO_USAGE_STATS="1", **self.env)
+        # vLLM's CPU build reserves a core for itself with a KV connector and not without one; the same
+        # explicit binding (every core) for every server keeps servers with and without one comparable.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
