@@ -255,11 +255,11 @@ def test_preempted_requests_resume_with_identical_output(stack):
     alone = []
     for m in convs:
         stack.server.reset_prefix_cache()
-        alone.append(stack.server.chat(m, max_tokens=120, extra=long))
+        alone.append(stack.server.chat(m, max_tokens=100, extra=long))
     preempted = metric(stack.server, "vllm:num_preemptions_total")
     stack.server.reset_prefix_cache()
     out: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda i=i, m=m: out.update({i: stack.server.chat(m, max_tokens=120, extra=long)}))
+    threads = [threading.Thread(target=lambda i=i, m=m: out.update({i: stack.server.chat(m, max_tokens=100, extra=long)}))
                for i, m in enumerate(convs)]
     for t in threads:
         t.start()
