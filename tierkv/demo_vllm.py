@@ -19,7 +19,7 @@ from typing import Any
 
 from .cli import _request
 from .demo import SYSTEM
-from .integrations.vllm.launch import ChatReply, VllmServer
+from .integrations.vllm.launch import BLOCK_TOKENS, ChatReply, VllmServer
 
 __all__ = ["VllmTurn", "format_vllm_turn", "run_vllm_chat"]
 
@@ -71,9 +71,9 @@ def run_vllm_chat(model_dir: str, socket: str, turns: Sequence[str], log_dir: Pa
         for i, user in enumerate(turns, 1):
             messages.append({"role": "user", "content": user})
             recompute = server.chat(messages, max_tokens=max_tokens, salt=secrets.token_hex(8))
-            before = _hits(socket, 128)
+            before = _hits(socket, BLOCK_TOKENS)
             reply = server.chat(messages, max_tokens=max_tokens)
-            after = _hits(socket, 128)
+            after = _hits(socket, BLOCK_TOKENS)
             served = {t: after[t] - before.get(t, 0) for t in after if after[t] > before.get(t, 0)}
             rep = _turn(i, user, reply, recompute, served, i == restart_after + 1)
             reports.append(rep)

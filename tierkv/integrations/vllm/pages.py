@@ -22,16 +22,9 @@ from typing import Any
 import torch
 
 from ...layout import Layout, dtype_name
+from ...paged import _bits, _copy_all, gather, scatter
 
 __all__ = ["VllmPages", "cpu_layout_ok"]
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_copy_all = getattr(torch, "_foreach_copy_", None) or (lambda dsts, srcs: [d.copy_(s) for d, s in zip(dsts, srcs)])
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    # Integer views copy bytes exactly (fp8, NaN payloads) and every dtype takes the same kernels.
-    return t.view(_BITS[t.element_size()])
 
 
 class VllmPages:
@@ -94,8 +87,6 @@ class VllmPages:
         if not ids:
             return
         if not self._cpu:
-            from ...paged import gather
-
             direct = all(b.device == self.device or b.is_pinned() for b in out)
             stage = list(out) if direct else [torch.empty_like(b, device=self.device) for b in out]
             gather(self._k, self._v, ids, stage, layout="HND")
@@ -118,8 +109,6 @@ class VllmPages:
         if not ids:
             return
         if not self._cpu:
-            from ...paged import scatter
-
             direct = all(b.device == self.device or b.is_pinned() for b in blocks)
             src = list(blocks) if direct else [b.to(self.device) for b in blocks]
             scatter(src, self._k, self._v, ids, layout="HND")
