@@ -218,3 +218,10 @@ def test_cuda_pages_round_trip_through_unpinned_host_blocks(physical):
     q.synchronize()
     for layer in range(2):
         assert torch.equal(fresh[layer][1], caches[layer][3]) and torch.equal(fresh[layer][3], caches[layer][9])
+
+
+def test_the_vllm_demo_without_a_daemon_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "tierkv", "demo", "--socket", str(tmp_path / "none.sock")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "cannot reach tierkv" in p.stderr

@@ -262,16 +262,22 @@ def demo(engine: str, socket: str | None, as_json: bool, turns: int | None, prom
 def _demo_vllm(socket: str | None, script: list[str], as_json: bool, max_new_tokens: int) -> None:
     import tempfile
 
+    from .cli import _request
     from .demo_vllm import format_vllm_turn, run_vllm_chat
     from .integrations.model import ensure_converted
     from .paths import default_socket
 
     sock = socket or default_socket()
+    _request(sock, "PING")  # no daemon: one line now, before vLLM spends a minute starting
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as logs:
         out = sys.stderr if as_json else sys.stdout
-        reports = run_vllm_chat(str(ensure_converted(out=out)), sock, script, Path(logs), max_tokens=max_new_tokens,
-                                on_turn=None if as_json else (lambda r: click.echo(format_vllm_turn(r))),
-                                on_event=lambda m: click.echo(m, err=as_json))
+        try:
+            reports = run_vllm_chat(str(ensure_converted(out=out)), sock, script, Path(logs),
+                                    max_tokens=max_new_tokens,
+                                    on_turn=None if as_json else (lambda r: click.echo(format_vllm_turn(r))),
+                                    on_event=lambda m: click.echo(m, err=as_json))
+        except RuntimeError as exc:  # vLLM did not start; the message carries its log's tail
+            raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in reports], indent=2))
     if not all(r.same_reply for r in reports):
