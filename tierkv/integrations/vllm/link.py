@@ -19,8 +19,8 @@ from ...layout import Layout
 
 log = logging.getLogger("vllm.tierkv")
 
-RETRY_FIRST_S = 1.0
-RETRY_MAX_S = 15.0
+RETRY_FIRST_S = 0.25  # a refused Unix-socket connect costs microseconds: retry soon
+RETRY_MAX_S = 1.0  # a restarted daemon is found within a second, by both sides
 
 T = TypeVar("T")
 
