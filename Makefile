@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.tierkv-installed
 .PHONY: run test setup services lint bench clean
 
 run: setup
-	$(PY) -m tierkv.mainjob
+	$(PY) -m tierkv.ops.mainjob
 
 test: setup services
 	$(PY) -m pytest -q

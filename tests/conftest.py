@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import tierkv
-from tierkv.errors import ConnectionFailed
+from tierkv.core.errors import ConnectionFailed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ class Daemon:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             if os.path.exists(self.socket):
                 try:
-                    from tierkv.cli import _request
+                    from tierkv.ops.cli import _request
 
                     _request(self.socket, "PING")
                     return
@@ -110,7 +110,7 @@ class Daemon:
         return tierkv.Client.connect(self.socket, model=model, layout=layout or SMALL, **kw)
 
     def stats(self) -> dict:
-        from tierkv.cli import _request
+        from tierkv.ops.cli import _request
 
         return _request(self.socket, "STATS")
 

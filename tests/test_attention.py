@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierkv.attention import (
+from tierkv.cache.attention import (
     KeyBounds,
     block_mass,
     block_mass_from_key_mass,

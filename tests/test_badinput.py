@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv import protocol
-from tierkv.cli import _TUNABLES
-from tierkv.keys import Namespace
-from tierkv.layout import Layout
-from tierkv.protocol import HEADER, Op
+from tierkv.core import protocol
+from tierkv.core.keys import Namespace
+from tierkv.core.layout import Layout
+from tierkv.core.protocol import HEADER, Op
+from tierkv.ops.cli import _TUNABLES
 
 from .conftest import SMALL, Daemon
 

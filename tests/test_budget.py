@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tierkv.budget import LINKS, LinkBudgets, TokenBucket, link_name
+from tierkv.movers.budget import LINKS, LinkBudgets, TokenBucket, link_name
 
 
 class FakeClock:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tierkv.codecs import BlockHeader, CodecError, available_codecs, decode_block, encode_block, read_header
-from tierkv.errors import BadRequest, TierKVError
-from tierkv.keys import Namespace
-from tierkv.layout import Layout
+from tierkv.core.errors import BadRequest, TierKVError
+from tierkv.core.keys import Namespace
+from tierkv.core.layout import Layout
 
 KEY = b"\x01" * 16
 

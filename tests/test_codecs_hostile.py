@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from tierkv.codecs import CodecError, available_codecs, decode_block, encode_block, read_header
 from tierkv.codecs.container import pack_header, pack_params
-from tierkv.keys import Namespace
-from tierkv.layout import Layout
+from tierkv.core.keys import Namespace
+from tierkv.core.layout import Layout
 
 LAYOUT = Layout(4, 2, 32, 16, "bfloat16")
 FP = Namespace("model-a", LAYOUT).fingerprint

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.costmodel import DEFAULT_PRIORS, CostModel, Run
+from tierkv.cache.costmodel import DEFAULT_PRIORS, CostModel, Run
 
 MB = 1 << 20
 # A 7-8B model: ~128 KiB of KV per token; 16-token blocks of 2 MiB.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from tierkv.config import Config
-from tierkv.policy import policy_class, policy_names
+from tierkv.cache.policy import policy_class, policy_names
+from tierkv.daemon.config import Config
 
 from .conftest import REPO
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tierkv
-from tierkv.errors import BadRequest, KeyMissing
+from tierkv.core.errors import BadRequest, KeyMissing
 
 from .conftest import REPO, SMALL
 from .test_daemon import keys_for, rand_blocks
@@ -149,10 +149,10 @@ def test_bad_gpu_requests_are_clear_errors(daemon, gdaemon):
         with pytest.raises(BadRequest, match="tier must be"):
             c.acquire(keys_for(c, 1), tier="nvme")
         with pytest.raises(BadRequest, match="tier must be"):
-            c._call(tierkv.client.Op.FETCH, {"keys": keys_for(c, 1), "tier": 7})
+            c._call(tierkv.client.client.Op.FETCH, {"keys": keys_for(c, 1), "tier": 7})
         host = c.alloc(1)
         with pytest.raises(BadRequest, match="GPU slot"):  # a host slot is not a GPU slot
-            c._call(tierkv.client.Op.COMMIT, {"keys": keys_for(c, 1), "slots": host.offsets, "tier": "gpu"})
+            c._call(tierkv.client.client.Op.COMMIT, {"keys": keys_for(c, 1), "slots": host.offsets, "tier": "gpu"})
         host.abort()
         with pytest.raises(BadRequest, match="exceed the GPU tier"):
             c.alloc(2000, tier="gpu")
@@ -224,8 +224,8 @@ def test_cuda_promotion_from_disk_and_views_are_device_tensors(daemon_factory):
 
 @pytest.mark.gpu
 def test_cuda_streams_and_pinned_registration_in_process():
-    from tierkv import cuda
-    from tierkv.streams import Copy, make_queue
+    from tierkv.core import cuda
+    from tierkv.movers.streams import Copy, make_queue
     from tierkv.tiers.gpu import DevicePool
     from tierkv.tiers.host import HostPool
 
@@ -251,7 +251,7 @@ def test_cuda_streams_and_pinned_registration_in_process():
 
 
 def test_copy_queue_merges_adjacent_slots_and_reports_sources_that_never_arrived():
-    from tierkv.streams import Copy, _runs, make_queue
+    from tierkv.movers.streams import Copy, _runs, make_queue
 
     src = torch.arange(200, dtype=torch.uint8)
     dst = torch.zeros(200, dtype=torch.uint8)

@@ -30,7 +30,7 @@ from tierkv.integrations.transformers import (  # noqa: E402
     model_layout,
     plain_generate,
 )
-from tierkv.mainjob import start_daemon, stop_daemon  # noqa: E402
+from tierkv.ops.mainjob import start_daemon, stop_daemon  # noqa: E402
 
 T = 16  # tokens per block
 
@@ -356,7 +356,7 @@ def test_two_clients_share_a_system_prompt_once(smol, daemon):
 def test_demo_reads_one_turn_per_line_and_checks_turns(tmp_path):
     from click.testing import CliRunner
 
-    from tierkv.demo import TURNS, demo, read_turns
+    from tierkv.ops.demo import TURNS, demo, read_turns
 
     f = tmp_path / "turns.txt"
     f.write_text("first question\n\n  second question  \n")
@@ -372,7 +372,7 @@ def test_demo_json_against_a_running_daemon(smol, daemon, tmp_path):
 
     from click.testing import CliRunner
 
-    from tierkv.demo import demo
+    from tierkv.ops.demo import demo
 
     f = tmp_path / "turns.txt"
     f.write_text("How much does it cost to join?\nWhen is the library open?\n")

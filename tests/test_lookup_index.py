@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierkv
-from tierkv import protocol
-from tierkv.errors import ConnectionFailed
-from tierkv.lookup_index import IndexedBlocks, LookupIndex, available
+from tierkv.core import protocol
+from tierkv.core.errors import ConnectionFailed
+from tierkv.core.lookup_index import IndexedBlocks, LookupIndex, available
 
 from .conftest import SMALL
 

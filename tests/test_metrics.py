@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tierkv.metrics import parse_addr
+from tierkv.daemon.metrics import parse_addr
 
 from . import redis_servers
 from .conftest import REPO, SMALL
@@ -69,8 +69,8 @@ def test_scrape_counters_rise_with_traffic(daemon_factory):
 
 
 def test_metrics_off_by_default(daemon):
-    from tierkv.cli import _request
-    from tierkv.errors import BadRequest
+    from tierkv.core.errors import BadRequest
+    from tierkv.ops.cli import _request
 
     assert "metrics on" not in daemon.log.read_text()
     with pytest.raises(BadRequest, match="fixed at start-up"):

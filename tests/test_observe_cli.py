@@ -13,8 +13,8 @@ import time
 import pytest
 from click.testing import CliRunner, Result
 
-from tierkv.cli import _request, main
-from tierkv.plot import series
+from tierkv.ops.cli import _request, main
+from tierkv.ops.plot import series
 
 from .conftest import REPO, SMALL
 from .test_daemon import keys_for, rand_blocks
@@ -179,7 +179,7 @@ def test_top_under_tmux(daemon):
 
 
 def test_progress_bar_on_a_terminal_only(tmp_path):
-    from tierkv.progress import bar
+    from tierkv.ops.progress import bar
 
     master, slave = os.openpty()
     with open(slave, "w", closefd=True) as tty:
@@ -207,7 +207,7 @@ def test_progress_bar_on_a_terminal_only(tmp_path):
 def test_preload_in_chunks(daemon, tmp_path):
     import numpy as np
 
-    from tierkv.preload import PRELOAD_CHUNK, export_prefix, preload_file
+    from tierkv.ops.preload import PRELOAD_CHUNK, export_prefix, preload_file
 
     n = PRELOAD_CHUNK + 5
     with daemon.client() as c:

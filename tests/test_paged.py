@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv import paged
-from tierkv.layout import Layout
+from tierkv.client import paged
+from tierkv.core.layout import Layout
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

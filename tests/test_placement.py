@@ -12,12 +12,12 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
-from tierkv.config import Config
-from tierkv.errors import BadRequest
-from tierkv.policy.placement import Placement
-from tierkv.policy.reuse import ReuseModel
-from tierkv.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
-from tierkv.replay_cli import replay as replay_cmd
+from tierkv.cache.policy.placement import Placement
+from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.core.errors import BadRequest
+from tierkv.daemon.config import Config
+from tierkv.ops.replay_cli import replay as replay_cmd
+from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
 
 from .conftest import REPO
 from .test_daemon import keys_for, rand_blocks
@@ -214,7 +214,7 @@ def test_replay_advise_recommends_an_admission_setting(tmp_path):
 
 
 def test_chat_trace_is_deterministic_and_multi_turn():
-    from tierkv.chat_trace import ChatTraceSpec, generate
+    from tierkv.sim.chat_trace import ChatTraceSpec, generate
 
     spec = ChatTraceSpec(conversations=30, seed=3)
     a, b = generate(spec), generate(spec)
@@ -231,7 +231,7 @@ def test_chat_trace_is_deterministic_and_multi_turn():
 
 
 def test_admission_mode_tunes_at_run_time(daemon):
-    from tierkv.cli import main
+    from tierkv.ops.cli import main
 
     r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.admission=reused"])
     assert r.exit_code == 0, r.output

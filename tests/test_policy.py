@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from tierkv.policy import Admission, HeapPolicy, History, Policy, make_policy, policy_names
-from tierkv.policy.base import never
+from tierkv.cache.policy import Admission, HeapPolicy, History, Policy, make_policy, policy_names
+from tierkv.cache.policy.base import never
 
 
 class FakeClock:

@@ -24,14 +24,14 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
-from tierkv import admin_cli
-from tierkv.cli import _request
 from tierkv.codecs import CodecError, decode_block, encode_block
 from tierkv.codecs.container import _FIXED, _HASH, MAGIC
-from tierkv.errors import KeyMissing, TierKVError
-from tierkv.keys import Namespace
-from tierkv.layout import Layout
-from tierkv.protocol import Op
+from tierkv.core.errors import KeyMissing, TierKVError
+from tierkv.core.keys import Namespace
+from tierkv.core.layout import Layout
+from tierkv.core.protocol import Op
+from tierkv.ops import admin_cli
+from tierkv.ops.cli import _request
 
 from .conftest import SMALL
 from .test_badinput import FAST_ENV, RawClient, block_values, quiet_sample, wait_for
@@ -261,7 +261,7 @@ def test_dead_clients_release_everything_1000_cycles(daemon_factory):
 
 _ALLOC_CHURN = r"""
 import random, sys, threading
-from tierkv.cli import malloc_trim
+from tierkv.ops.cli import malloc_trim
 
 def anon_kb():
     for line in open("/proc/self/status"):
@@ -295,7 +295,7 @@ def test_daemon_allocator_gives_freed_memory_back():
     daemon calls every ``MALLOC_TRIM_S`` seconds: one arena (``arena_max=1``), whose top and holes
     malloc_trim releases; a thread arena's top it cannot release, and with 8 x cores arenas that
     retention grew the soak's RSS (docs/design.md, Daemon lifecycle and memory)."""
-    from tierkv.cli import _TUNABLES, MALLOC_TRIM_S
+    from tierkv.ops.cli import _TUNABLES, MALLOC_TRIM_S
 
     assert "glibc.malloc.arena_max=1" in _TUNABLES and 0 < MALLOC_TRIM_S <= 30
     out = subprocess.run([sys.executable, "-c", _ALLOC_CHURN], env=dict(os.environ, GLIBC_TUNABLES=_TUNABLES),
@@ -598,7 +598,7 @@ class _FakeDaemon:
     def __init__(self, path: str, reply: dict | None) -> None:
         import socket as _s
 
-        from tierkv import protocol
+        from tierkv.core import protocol
 
         self.path, self.reply = path, reply
         self.lst = _s.socket(_s.AF_UNIX, _s.SOCK_STREAM)

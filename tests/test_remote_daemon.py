@@ -9,7 +9,7 @@ import time
 import torch
 from click.testing import CliRunner
 
-from tierkv.cli import main
+from tierkv.ops.cli import main
 
 from . import redis_servers
 from .redis_servers import need_redis

@@ -13,8 +13,8 @@ import torch
 
 import tierkv
 from tierkv.codecs import encode_block
-from tierkv.errors import BadRequest
-from tierkv.keys import Namespace
+from tierkv.core.errors import BadRequest
+from tierkv.core.keys import Namespace
 from tierkv.tiers.remote import (
     RemoteConfig,
     RemoteTier,

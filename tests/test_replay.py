@@ -9,7 +9,8 @@ import random
 import pytest
 from click.testing import CliRunner
 
-from tierkv.replay import (
+from tierkv.ops.replay_cli import replay as replay_cmd
+from tierkv.sim.replay import (
     ReplayConfig,
     TierSpec,
     TraceError,
@@ -24,7 +25,6 @@ from tierkv.replay import (
     replay,
     sweep,
 )
-from tierkv.replay_cli import replay as replay_cmd
 
 PAGE = 512  # kv_bytes_per_token=1 below, so one 512-token page is 512 bytes
 

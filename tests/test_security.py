@@ -18,12 +18,12 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from tierkv import protocol
-from tierkv.config import load_config
-from tierkv.errors import PermissionDenied, TierKVError
-from tierkv.keys import Namespace
-from tierkv.protocol import HEADER, Op
-from tierkv.server import Server
+from tierkv.core import protocol
+from tierkv.core.errors import PermissionDenied, TierKVError
+from tierkv.core.keys import Namespace
+from tierkv.core.protocol import HEADER, Op
+from tierkv.daemon.config import load_config
+from tierkv.daemon.server import Server
 
 from .conftest import REPO, SMALL
 from .test_badinput import FAST_ENV, RawClient, _send_and_close, wait_for

@@ -30,10 +30,10 @@ from hypothesis.stateful import (
 )
 
 import tierkv
-from tierkv.cli import _request
-from tierkv.errors import BadRequest, KeyMissing
-from tierkv.layout import Layout
-from tierkv.protocol import Op
+from tierkv.core.errors import BadRequest, KeyMissing
+from tierkv.core.layout import Layout
+from tierkv.core.protocol import Op
+from tierkv.ops.cli import _request
 
 from .conftest import Daemon
 from .test_badinput import FAST_ENV, wait_for
@@ -70,9 +70,9 @@ class TierKVMachine(RuleBasedStateMachine):
         self.keys = [hashlib.blake2b(f"{self.model}/{i}".encode(), digest_size=16).digest() for i in range(UNIVERSE)]
         self.clients: list[tierkv.Client] = []
         self.stored: dict[int, set[int]] = {}  # key index -> versions whose bytes the daemon may serve
-        self.leases: list[tuple[tierkv.Client, tierkv.client.Lease, list[int]]] = []
+        self.leases: list[tuple[tierkv.Client, tierkv.client.client.Lease, list[int]]] = []
         self.released: list[tuple[tierkv.Client, int]] = []
-        self.open_slots: list[tuple[tierkv.Client, tierkv.client.Slots]] = []
+        self.open_slots: list[tuple[tierkv.Client, tierkv.client.client.Slots]] = []
 
     # ---- helpers --------------------------------------------------------------------------------
     def _client(self, i: int) -> tierkv.Client:

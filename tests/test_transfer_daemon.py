@@ -97,7 +97,7 @@ def test_loads_overtake_queued_stores(daemon):
 def test_budget_limits_disk_writes(daemon):
     from click.testing import CliRunner
 
-    from tierkv.cli import main
+    from tierkv.ops.cli import main
 
     r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "budget.host_disk=4MB"])
     assert r.exit_code == 0, r.output

@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
-from tierkv.cli import main
-from tierkv.errors import BadRequest, TierFull
+from tierkv.core.errors import BadRequest, TierFull
+from tierkv.ops.cli import main
 
 from .test_daemon import keys_for, rand_blocks
 
@@ -80,7 +80,7 @@ def test_pinned_prefix_survives_pressure(daemon_factory):
 
 
 def test_preload_cli(daemon, tmp_path):
-    from tierkv.preload import export_prefix
+    from tierkv.ops.preload import export_prefix
 
     tokens = np.arange(16 * 5)
     with daemon.client() as c:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.config import load_config
-from tierkv.units import format_size, parse_size
+from tierkv.core.units import format_size, parse_size
+from tierkv.daemon.config import load_config
 
 
 def test_parse_size():

@@ -20,11 +20,11 @@ import lmdb
 import pytest
 
 from tierkv.codecs import read_header
+from tierkv.core.keys import Namespace, chain_keys
+from tierkv.core.layout import Layout
 from tierkv.integrations.model import MODEL_ID, ensure_converted
 from tierkv.integrations.vllm.launch import VllmServer, connector_config
 from tierkv.integrations.vllm.plan import salt_root
-from tierkv.keys import Namespace, chain_keys
-from tierkv.layout import Layout
 
 from .conftest import Daemon
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tierkv.core.keys import Namespace, chain_keys
+from tierkv.core.layout import Layout
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import Planner, salt_root
 from tierkv.integrations.vllm.transfer import Transfers
-from tierkv.keys import Namespace, chain_keys
-from tierkv.layout import Layout
 
 # vLLM's CPU pages for a small model: 2 layers, 2 KV heads of 32, 32-token blocks.
 LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=32, dtype="float32")
@@ -186,9 +186,9 @@ def test_pages_refuse_bad_input():
 
 
 def test_the_engine_side_imports_neither_redis_nor_lmdb_nor_the_daemon():
-    code = ("import sys, tierkv.client, tierkv.integrations.vllm.plan, tierkv.integrations.vllm.transfer; "
+    code = ("import sys, tierkv.client.client, tierkv.integrations.vllm.plan, tierkv.integrations.vllm.transfer; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'lmdb', 'zstandard', 'vllm') "
-            "or m.startswith(('tierkv.tiers', 'tierkv.server', 'tierkv.block_table', 'tierkv.config'))); "
+            "or m.startswith(('tierkv.tiers', 'tierkv.daemon.server', 'tierkv.cache.table', 'tierkv.daemon.config'))); "
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr

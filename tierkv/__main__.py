@@ -1,3 +1,3 @@
-from .cli import main
+from tierkv.ops.cli import main
 
 main()

@@ -36,8 +36,8 @@ import torch
 import zstandard
 
 from tierkv.codecs import decode_block, encode_block, read_header
-from tierkv.keys import Namespace
-from tierkv.layout import Layout
+from tierkv.core.keys import Namespace
+from tierkv.core.layout import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_CANDIDATES = (os.environ.get("TIERKV_KV_SAMPLE"), REPO.parent / "shared/data/kv-sample",

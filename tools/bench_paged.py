@@ -1,6 +1,6 @@
 """Benchmark paged gather/scatter against a plain index_select/index_copy_ of the same bytes.
 
-CPU: tierkv.paged.gather/scatter (engine pages <-> tierkv blocks, both engine layouts, batch and
+CPU: tierkv.client.paged.gather/scatter (engine pages <-> tierkv blocks, both engine layouts, batch and
 slot-list destinations) versus ``index_select``/``index_copy_`` of whole rows of the same size, in the
 same run. CUDA (skipped without a GPU): the one-launch kernel versus ``index_select``/``index_copy_`` on
 the device (target >= 1.0x), plus gather into pinned host slots (zero-copy) versus ``index_select`` into
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tierkv import paged  # noqa: E402
+from tierkv.client import paged  # noqa: E402
 
 
 def make_caches(L, H, T, D, NB, layout, device, dtype=torch.bfloat16):

@@ -41,7 +41,7 @@ from bench_tiers import kv_blocks  # noqa: E402
 
 import tierkv  # noqa: E402
 from tierkv.codecs import encode_block  # noqa: E402
-from tierkv.keys import Namespace  # noqa: E402
+from tierkv.core.keys import Namespace  # noqa: E402
 from tierkv.tiers.remote import RemoteTier  # noqa: E402
 
 LLAMA = tierkv.Layout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16, dtype="bfloat16")

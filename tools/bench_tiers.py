@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _benchd import Daemon  # noqa: E402  (tools/ is the script's directory)
 
 import tierkv  # noqa: E402
-from tierkv.transfer import LOAD_THREADS  # noqa: E402
+from tierkv.movers.transfer import LOAD_THREADS  # noqa: E402
 
 LLAMA = tierkv.Layout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16, dtype="bfloat16")
 N = 256
@@ -207,7 +207,7 @@ def lmdb_ref(tmp: Path, reps: int) -> dict:
     off) of incompressible 2 MiB values into a
     preallocated file, with the daemon's allocator tunables: the ceiling of any LMDB-backed tier on this
     disk. Also its CPU seconds per GB written (the writer's share of the cores)."""
-    from tierkv.cli import _TUNABLES
+    from tierkv.ops.cli import _TUNABLES
 
     d = tmp / "lmdb-ref"
     d.mkdir()
@@ -227,7 +227,7 @@ def encoder_ref(blocks: torch.Tensor, codecs: list[str]) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from tierkv.codecs import decode_block, encode_block
-    from tierkv.config import DiskConfig
+    from tierkv.daemon.config import DiskConfig
 
     workers = DiskConfig().workers
     fp, u8 = b"\0" * 16, blocks.view(torch.uint8).reshape(N, -1).numpy()
@@ -450,7 +450,7 @@ def _lookup_worker(tk_sock: str, ref_socks: dict[str, str], keys: list[bytes], n
 
     import msgpack
 
-    from tierkv import protocol
+    from tierkv.core import protocol
 
     socks = {}
     for name, path in ref_socks.items():
@@ -515,7 +515,7 @@ def _ref_serve(conn, table: dict | None) -> None:
     else unpack the body, check the keys and count the leading ones in ``table`` (the plain-Python LOOKUP)."""
     import msgpack
 
-    from tierkv import protocol
+    from tierkv.core import protocol
 
     fixed = protocol.pack(protocol.Op.LOOKUP, 1, {"count": 64})
     fp = b"\1" * 16

@@ -195,7 +195,7 @@ def bench_budget(tmp: Path, seconds: float, cap: int) -> dict:
         res["alone"] = compute_rate(seconds)
         with tierkv.Client.connect(d.sock, model="probe2", layout=LLAMA, populate=False) as c:
             for label, rate in (("unlimited", 0), ("budget", cap)):
-                c._call(tierkv.client.Op.TUNE, {"settings": {"budget.host_disk": rate}})
+                c._call(tierkv.client.client.Op.TUNE, {"settings": {"budget.host_disk": rate}})
                 stop = ctx.Event()
                 p = ctx.Process(target=_offload, args=(d.sock, stop))
                 p.start()
@@ -293,7 +293,7 @@ def main() -> None:
     ap.add_argument("--tmp", default=None, help="work directory (default: a temp dir next to the repo)")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) - {""}
-    from tierkv.units import parse_size
+    from tierkv.core.units import parse_size
 
     base = Path(args.tmp or tempfile.mkdtemp(prefix="bench-transfer-", dir=Path(__file__).resolve().parents[1]))
     base.mkdir(parents=True, exist_ok=True)

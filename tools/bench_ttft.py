@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from tierkv.demo import SYSTEM
 from tierkv.integrations.model import load_model, sidecar_threads
 from tierkv.integrations.transformers import attach, plain_generate
-from tierkv.mainjob import start_daemon, stop_daemon
+from tierkv.ops.demo import SYSTEM
+from tierkv.ops.mainjob import start_daemon, stop_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_ID = "smollm2-135m-instruct"

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 import tierkv
-from tierkv.cli import _TUNABLES, _request
-from tierkv.errors import ConnectionFailed, KeyMissing, TierKVError
+from tierkv.core.errors import ConnectionFailed, KeyMissing, TierKVError
+from tierkv.ops.cli import _TUNABLES, _request
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = tierkv.Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks
@@ -164,7 +164,7 @@ def main() -> int:
 
     layout = LARGE if args.large else SMALL
     if args.chunk_blocks:
-        importlib.import_module("tierkv.client").DURABLE_CHUNK_BYTES = args.chunk_blocks * layout.block_bytes
+        importlib.import_module("tierkv.client.client").DURABLE_CHUNK_BYTES = args.chunk_blocks * layout.block_bytes
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="tierkv-crashloop-"))
     d = Daemon(work, ["--host-capacity", "256MiB", "--disk-capacity", "4GiB", "--slab-bytes", "8MiB"])

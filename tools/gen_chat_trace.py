@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from tierkv.chat_trace import ChatTraceSpec, lines
+from tierkv.sim.chat_trace import ChatTraceSpec, lines
 
 
 @click.command()

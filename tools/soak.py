@@ -63,7 +63,7 @@ def client_main(idx: int, sock: str, ready, stop, seed: int, out: mp.Queue) -> N
     import torch
 
     import tierkv
-    from tierkv.errors import KeyMissing, TierKVError
+    from tierkv.core.errors import KeyMissing, TierKVError
 
     layout = tierkv.Layout(*LAYOUT_ARGS)
     rng = random.Random(seed)
@@ -161,7 +161,7 @@ def proc_sample(pid: int) -> dict[str, int]:
 
 
 def sample(sock: str, pid: int, t0: float) -> dict:
-    from tierkv.cli import _request
+    from tierkv.ops.cli import _request
 
     st = _request(sock, "STATS")
     disk = st["tiers"].get("disk", {})
@@ -181,8 +181,8 @@ def slope_per_hour(samples: list[dict], key: str) -> float:
 
 
 def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
-    from tierkv.cli import _TUNABLES, _request
-    from tierkv.errors import ConnectionFailed
+    from tierkv.core.errors import ConnectionFailed
+    from tierkv.ops.cli import _TUNABLES, _request
 
     sockdir = work / "run"
     sockdir.mkdir(mode=0o700)
@@ -219,7 +219,7 @@ def main() -> int:
     ap.add_argument("--json", default=str(REPO / "bench-results" / "soak.json"))
     args = ap.parse_args()
 
-    from tierkv.cli import _request
+    from tierkv.ops.cli import _request
 
     work = Path(tempfile.mkdtemp(prefix="tierkv-soak-"))
     proc = None

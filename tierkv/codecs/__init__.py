@@ -13,9 +13,9 @@ codec and old blocks stay readable.
 
 from __future__ import annotations
 
-from .block import decode_block, encode_block
-from .container import BlockHeader, CodecError, Section, read_header
-from .registry import available_codecs, get_codec
+from tierkv.codecs.block import decode_block, encode_block
+from tierkv.codecs.container import BlockHeader, CodecError, Section, read_header
+from tierkv.codecs.registry import available_codecs, get_codec
 
 __all__ = ["BlockHeader", "CodecError", "Section", "available_codecs", "decode_block", "encode_block", "get_codec",
            "read_header"]

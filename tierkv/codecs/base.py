@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..layout import Layout
-from .container import SCOPE_RAW, CodecError
-from .zstdio import Policy
+from tierkv.codecs.container import SCOPE_RAW, CodecError
+from tierkv.codecs.zstdio import Policy
+from tierkv.core.layout import Layout
 
 
 class Codec(ABC):

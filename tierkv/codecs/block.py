@@ -12,12 +12,19 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import BadRequest
-from ..layout import Layout
-from .base import Codec
-from .container import FINGERPRINT_BYTES, SCOPE_RAW, CodecError, pack_header, pack_params, read_header
-from .registry import available_codecs, get_codec
-from .zstdio import Method, check_level, decompress_exact, pack_section
+from tierkv.codecs.base import Codec
+from tierkv.codecs.container import (
+    FINGERPRINT_BYTES,
+    SCOPE_RAW,
+    CodecError,
+    pack_header,
+    pack_params,
+    read_header,
+)
+from tierkv.codecs.registry import available_codecs, get_codec
+from tierkv.codecs.zstdio import Method, check_level, decompress_exact, pack_section
+from tierkv.core.errors import BadRequest
+from tierkv.core.layout import Layout
 
 # 'lossless' stores the block raw below this ratio: decoding raw is a memcpy.
 MIN_LOSSLESS_RATIO = 1.1

@@ -25,8 +25,8 @@ from typing import Any
 import msgpack
 import xxhash
 
-from ..errors import TierKVError
-from ..layout import Layout
+from tierkv.core.errors import TierKVError
+from tierkv.core.layout import Layout
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
@@ -172,7 +172,7 @@ def read_header(blob) -> BlockHeader:
     Raises:
         CodecError: the header is malformed, truncated or inconsistent.
     """
-    from .registry import codec_by_id  # registry imports the codecs, which import this module
+    from tierkv.codecs.registry import codec_by_id  # registry imports the codecs, which import this module
 
     try:
         mv = memoryview(blob).cast("B")

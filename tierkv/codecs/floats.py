@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import Layout
+from tierkv.core.layout import Layout
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 _MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}

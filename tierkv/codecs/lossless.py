@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 
 try:  # one-pass plane merge from native/ntcopy.c; numpy's shift-or below is the fallback
-    from .._ntcopy import merge_planes as _merge_planes
+    from tierkv._ntcopy import merge_planes as _merge_planes
 except ImportError:  # pragma: no cover
     _merge_planes = None
 
-from ..layout import Layout
-from .base import Codec
-from .zstdio import Policy
+from tierkv.codecs.base import Codec
+from tierkv.codecs.zstdio import Policy
+from tierkv.core.layout import Layout
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 

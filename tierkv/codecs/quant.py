@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import Layout
-from .base import Codec
-from .container import SCOPE_SECTIONS
-from .floats import FLOAT_DTYPES, from_float32, to_float32
-from .zstdio import Policy
+from tierkv.codecs.base import Codec
+from tierkv.codecs.container import SCOPE_SECTIONS
+from tierkv.codecs.floats import FLOAT_DTYPES, from_float32, to_float32
+from tierkv.codecs.zstdio import Policy
+from tierkv.core.layout import Layout
 
 _F32 = np.float32
 # 2**(-e/16) for e = 0..255, computed in float64 then rounded: identical on every machine.

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .base import Codec
-from .lossless import LosslessCodec, RawCodec, ZstdCodec
-from .quant import Fp8Codec, Int4Codec, Int8Codec
+from tierkv.codecs.base import Codec
+from tierkv.codecs.lossless import LosslessCodec, RawCodec, ZstdCodec
+from tierkv.codecs.quant import Fp8Codec, Int4Codec, Int8Codec
 
 _BY_NAME: dict[str, Codec] = {}
 _BY_ID: dict[int, Codec] = {}

@@ -11,7 +11,7 @@ from enum import IntEnum
 
 import zstandard
 
-from .container import CodecError
+from tierkv.codecs.container import CodecError
 
 _local = threading.local()
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ..errors import TierKVError
-from ..layout import Layout, dtype_name
+from tierkv.core.errors import TierKVError
+from tierkv.core.layout import Layout, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def text_config(model: Any) -> Any:
 
 
 def model_layout(model: Any, block_tokens: int = DEFAULT_BLOCK_TOKENS, dtype: Any = None) -> Layout:
-    """The tierkv :class:`~tierkv.layout.Layout` of a model's KV cache.
+    """The tierkv :class:`~tierkv.core.layout.Layout` of a model's KV cache.
 
     Args:
         model: a transformers causal LM.
@@ -558,7 +558,7 @@ def attach(model: Any, socket: str | None = None, *, model_id: str | None = None
             or ``"float16"`` halve the bytes of a float32 model.
         **kwargs: passed to :class:`AttachedLM`.
     """
-    from ..client import Client
+    from tierkv.client.client import Client
 
     layout = model_layout(model, block_tokens, dtype_name(store_dtype) if store_dtype is not None else None)
     name = model_id or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)

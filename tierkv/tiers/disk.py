@@ -22,7 +22,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from ..errors import PermissionDenied, TierFull, TierKVError
+from tierkv.core.errors import PermissionDenied, TierFull, TierKVError
 
 log = logging.getLogger("tierkv.disk")
 

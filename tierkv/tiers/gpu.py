@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .host import SlabAllocator, shared_mapping
+from tierkv.tiers.host import SlabAllocator, shared_mapping
 
 
 def resolve_device(device: str) -> tuple[str, int]:
@@ -21,7 +21,7 @@ def resolve_device(device: str) -> tuple[str, int]:
     Raises:
         ValueError: the name is unknown, or CUDA was asked for and is not there.
     """
-    from .. import cuda
+    from tierkv.core import cuda
 
     name = device.strip().lower()
     if name == "cpu":
@@ -58,7 +58,7 @@ class DevicePool(SlabAllocator):
         self._ptr = 0
         self._mm = None
         if self.kind == "cuda":
-            from .. import cuda
+            from tierkv.core import cuda
 
             self._ptr = cuda.malloc(self.capacity, self.index)
             try:
@@ -91,7 +91,7 @@ class DevicePool(SlabAllocator):
 
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self.kind == "cuda" and self._ptr:
-            from .. import cuda
+            from tierkv.core import cuda
 
             torch.cuda.synchronize(self.index)
             cuda.free(self._ptr, self.index)
@@ -116,7 +116,7 @@ class ClientDevicePool:
         self._ptr = 0
         self._mm = None
         if self.kind == "cuda":
-            from .. import cuda
+            from tierkv.core import cuda
 
             if fd is not None:
                 os.close(fd)
@@ -149,7 +149,7 @@ class ClientDevicePool:
 
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._ptr:
-            from .. import cuda
+            from tierkv.core import cuda
 
             torch.cuda.synchronize(self.index)
             cuda.ipc_close(self._ptr, self.index)

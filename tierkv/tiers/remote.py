@@ -61,14 +61,14 @@ from redis.connection import (
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
-from ..codecs import CodecError, decode_block, encode_block
-from ..errors import BadRequest
-from ..keys import FINGERPRINT_BYTES, MAX_KEY_BYTES
-from ..layout import Layout
+from tierkv.codecs import CodecError, decode_block, encode_block
+from tierkv.core.errors import BadRequest
+from tierkv.core.keys import FINGERPRINT_BYTES, MAX_KEY_BYTES
+from tierkv.core.layout import Layout
 
 if TYPE_CHECKING:
-    from ..policy.admission import Admission
-    from ..policy.history import History
+    from tierkv.cache.policy.admission import Admission
+    from tierkv.cache.policy.history import History
 
 log = logging.getLogger("tierkv.remote")
 
@@ -153,7 +153,7 @@ class RemoteConfig:
             parse_remote_url(self.url, cluster=self.cluster)
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"remote.admission must be one of {', '.join(ADMISSION_MODES)}")
-        from ..codecs import available_codecs
+        from tierkv.codecs import available_codecs
 
         if self.codec not in available_codecs():
             raise ValueError(f"remote.codec: unknown codec {self.codec!r} (known: {', '.join(available_codecs())})")
@@ -246,13 +246,13 @@ def remote_key(fingerprint: bytes, key: bytes, prefix: bytes = KEY_PREFIX) -> by
 
 
 def make_admission(mode: str = "reused", history: History | None = None) -> Admission:
-    """An :class:`~tierkv.policy.admission.Admission` for a write-through mode (for the simulator and for
+    """An :class:`~tierkv.cache.policy.admission.Admission` for a write-through mode (for the simulator and for
     callers that keep use counts in a History).
 
     ``all``: every block; ``reused``: blocks used at least twice, shared by two holders, or pinned;
     ``pinned``: pinned blocks only.
     """
-    from ..policy.admission import Admission  # tiers stay importable without the policies
+    from tierkv.cache.policy.admission import Admission  # tiers stay importable without the policies
 
     if mode == "all":
         return Admission(history, enabled=False)

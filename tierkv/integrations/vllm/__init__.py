@@ -14,7 +14,7 @@ __all__ = ["TierKVConnector", "TierKVConnectorMetadata"]  # noqa: F822 - resolve
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import connector
+        from tierkv.integrations.vllm import connector
 
         return getattr(connector, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,13 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ...keys import Namespace
-from ...layout import Layout, dtype_name
-from .link import Link
-from .pages import VllmPages, cpu_layout_ok
-from .plan import BlockIO, Planner
-from .stats import TierKVConnectorStats, TierKVPromMetrics
-from .transfer import Transfers
+from tierkv.core.keys import Namespace
+from tierkv.core.layout import Layout, dtype_name
+from tierkv.integrations.vllm.link import Link
+from tierkv.integrations.vllm.pages import VllmPages, cpu_layout_ok
+from tierkv.integrations.vllm.plan import BlockIO, Planner
+from tierkv.integrations.vllm.stats import TierKVConnectorStats, TierKVPromMetrics
+from tierkv.integrations.vllm.transfer import Transfers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ...client import Client
-from ...errors import ConnectionFailed, TierKVError
-from ...layout import Layout
+from tierkv.client.client import Client
+from tierkv.core.errors import ConnectionFailed, TierKVError
+from tierkv.core.layout import Layout
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 
 class Link:
-    """A :class:`~tierkv.client.Client` for one namespace, reconnected with backoff.
+    """A :class:`~tierkv.client.client.Client` for one namespace, reconnected with backoff.
 
     Args:
         socket: the daemon's socket path (None: the client's default).

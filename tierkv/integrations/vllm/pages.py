@@ -5,7 +5,7 @@ block_tokens, 2 * head_dim]``. What the last axis holds depends on the backend:
 
 * CUDA backends (flash-attn and the like): K is ``[..., :head_dim]`` and V ``[..., head_dim:]`` of each
   token row; the physical axis order may differ (NHD, HND), which the strides carry. The copies run
-  in :mod:`tierkv.paged` (one kernel launch for all blocks, layers, K and V).
+  in :mod:`tierkv.client.paged` (one kernel launch for all blocks, layers, K and V).
 * The CPU backend: inside a block and head, K is stored transposed (``[head_dim, block_tokens]``) and
   followed by V (``[block_tokens, head_dim]``); row ``n`` is not token ``n``. :func:`cpu_layout_ok`
   checks this against vLLM's own cache-write kernel before any block is shared.
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ...layout import Layout, dtype_name
-from ...paged import _bits, _copy_all, gather, scatter
+from tierkv.client.paged import _bits, _copy_all, gather, scatter
+from tierkv.core.layout import Layout, dtype_name
 
 __all__ = ["VllmPages", "cpu_layout_ok"]
 

@@ -13,9 +13,9 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import TierKVError
-from ...keys import KEY_BYTES, Namespace, chain_keys
-from .link import Link
+from tierkv.core.errors import TierKVError
+from tierkv.core.keys import KEY_BYTES, Namespace, chain_keys
+from tierkv.integrations.vllm.link import Link
 
 __all__ = ["BlockIO", "Planner", "StepPlan", "salt_root"]
 

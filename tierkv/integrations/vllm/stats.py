@@ -9,7 +9,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from .transfer import Counters
+from tierkv.integrations.vllm.transfer import Counters
 
 __all__ = ["TierKVConnectorStats", "TierKVPromMetrics"]
 

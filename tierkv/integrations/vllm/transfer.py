@@ -14,11 +14,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from ...client import Client
-from ...errors import TierKVError
-from .link import Link
-from .pages import VllmPages
-from .plan import BlockIO
+from tierkv.client.client import Client
+from tierkv.core.errors import TierKVError
+from tierkv.integrations.vllm.link import Link
+from tierkv.integrations.vllm.pages import VllmPages
+from tierkv.integrations.vllm.plan import BlockIO
 
 log = logging.getLogger("vllm.tierkv")
 

@@ -1,0 +1,14 @@
+"""Eviction policies: one small interface, one module per policy; the simulator reuses them.
+
+``make_policy(name, **settings)`` builds one; ``policy_names()`` lists the built-ins
+(``lru``, ``lfu``, ``slru``, ``gdsf``, ``attention``; ``opt`` is the simulator's oracle).
+"""
+
+from tierkv.cache.policy.admission import Admission
+from tierkv.cache.policy.base import HeapPolicy, Policy, Setting, make_policy, policy_class, policy_names
+from tierkv.cache.policy.history import History
+
+DEFAULT_POLICY = "attention"
+
+__all__ = ["DEFAULT_POLICY", "Admission", "HeapPolicy", "History", "Policy", "Setting", "make_policy",
+           "policy_class", "policy_names"]

@@ -1,0 +1,171 @@
+"""The default policy: reuse heat, sharing, miss cost, size and attention in one priority.
+
+For block ``b`` resident in this tier (algorithms.md A3; higher stays longer)::
+
+    F  = F * 2^(-dt/half_life_s) + 1            on every use (recency and frequency in one number)
+    F' = 1 + log2(min(F, freq_cap))             (``freq_shape=log``; ``linear`` uses F itself)
+    B  = (uses(b) / uses(parent))^branch_weight a rarely taken branch below a busy prefix (a
+                                                per-request suffix) is worth less than the prefix
+    R  = 1 + beta * log2(1 + sharers)           live leases + prefix children (``on_sharers``)
+    C  = min(fetch_s from the next tier, recompute_s)       or ``cost_fn(key, size)``
+         recompute_s = block_tokens / prefill_tokens_per_s * (1 + depth_tokens / attn_double_tokens)
+    A  = attention mass reported by ``on_touch``, decayed with ``attn_half_life_s`` (1.0 = uniform)
+    P  = reuse(b)^reuse_weight                  the learned chance that the block comes back once
+                                                it leaves (``reuse``, a ReuseModel; 1 without one)
+    priority = L + (F' * B * R + gamma * A) * P * C / S
+    L  = priority of the last block evicted from this tier (GDSF aging clock)
+
+A block is only a candidate once none of its prefix children is resident in this tier
+(``tails_first``): a parent is worth at least its children, so chains shrink from the tail.
+Use counts and depths live in a :class:`~tierkv.cache.policy.history.History` that may be shared by
+the policies of all tiers, so heat survives demotion and re-fetch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from tierkv.cache.policy.base import HeapPolicy, Setting, register
+from tierkv.cache.policy.history import History, Record, decayed
+
+_MIB = float(1 << 20)
+
+
+@register
+class AttentionPolicy(HeapPolicy):
+    """Attention- and cost-aware eviction (the default). See the module docstring for the score.
+
+    Args:
+        cost_fn: ``cost_fn(key, size) -> seconds`` to need the block again after it leaves this
+            tier (e.g. the transfer engine's cost model); overrides the configured figures.
+        reuse: ``reuse(key) -> probability`` that the block is requested again once it leaves
+            (:meth:`~tierkv.cache.policy.reuse.ReuseModel.predictor`); ``None`` leaves it out.
+        history: shared use history; a private one is made if ``None``.
+        **settings: see ``SETTINGS``.
+    """
+
+    name = "attention"
+    SETTINGS = {
+        "half_life_s": Setting(600.0, "seconds for the use frequency F to halve (0 = no decay)", min=0.0),
+        "freq_cap": Setting(0.0, "upper bound on F in the score (0 = none)", min=0.0),
+        "freq_shape": Setting("log", "how F enters the score: log (1 + log2 F) or linear",
+                              choices=("log", "linear")),
+        "beta": Setting(0.5, "weight of log2(1 + sharers)", min=0.0),
+        "gamma": Setting(1.0, "weight of the attention mass term", min=0.0),
+        "attn_half_life_s": Setting(30.0, "seconds for reported attention mass to halve", min=0.0),
+        "branch_weight": Setting(0.0, "exponent of count(block) / count(parent): a rarely taken branch "
+                                 "below a busy prefix is worth less (0 = off)", min=0.0),
+        "tails_first": Setting(True, "only evict blocks with no resident children (parent >= children)"),
+        "block_tokens": Setting(16, "tokens per block, for the recompute cost", min=1),
+        "prefill_tokens_per_s": Setting(10000.0, "prefill speed used for the recompute cost", min=1e-9),
+        "attn_double_tokens": Setting(30000.0,
+                                      "context at which a token's prefill cost doubles (0 = flat)", min=0.0),
+        "fetch_bytes_per_s": Setting(0.0, "read bandwidth of the next tier (0 = none: recompute)", min=0.0),
+        "fetch_latency_s": Setting(0.0, "latency of one read from the next tier", min=0.0),
+        "reuse_weight": Setting(1.0, "exponent of the learned chance of a return (0 = off)", min=0.0),
+    }
+
+    def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None,
+                 history: History | None = None, reuse: Callable[[Hashable], float] | None = None,
+                 **kwargs: Any) -> None:
+        self.cost_fn = cost_fn
+        self.reuse = reuse
+        self.history = history if history is not None else History()
+        self._mass: dict[Hashable, tuple[float, float]] = {}  # key -> (mass, time reported)
+        self._sharers: dict[Hashable, int] = {}
+        super().__init__(**kwargs)
+
+    def _settings_changed(self) -> None:
+        s = self._settings
+        old = getattr(self, "tails_first", None)
+        self.tails_first = s["tails_first"]
+        if old is not None and hasattr(self, "_mass"):
+            for key in self._size:  # weights changed: re-score every resident block
+                self._rescore(key)
+            self._compact()
+
+    # -- score ------------------------------------------------------------------------------
+    def miss_cost(self, key: Hashable, size: int, rec: Record | None = None) -> float:
+        """Seconds it costs to need ``key`` again once it has left this tier."""
+        if self.cost_fn is not None:
+            return float(self.cost_fn(key, size))
+        s = self._settings
+        tokens = s["block_tokens"]
+        depth = rec.depth if rec is not None else 0
+        recompute = tokens / s["prefill_tokens_per_s"]
+        if s["attn_double_tokens"] > 0:
+            recompute *= 1.0 + (depth + 0.5) * tokens / s["attn_double_tokens"]
+        if s["fetch_bytes_per_s"] > 0:
+            return min(recompute, size / s["fetch_bytes_per_s"] + s["fetch_latency_s"])
+        return recompute
+
+    def _rescore(self, key: Hashable) -> None:
+        s, now = self._settings, self.clock()
+        rec = self.history.record(key, now)
+        f = decayed(rec, now, s["half_life_s"])
+        if s["freq_cap"] > 0:
+            f = min(f, s["freq_cap"])
+        if s["freq_shape"] == "log":
+            f = 1.0 + math.log2(max(f, 1.0))
+        value = f
+        parent = self._parent.get(key)
+        if parent is not None and s["branch_weight"] > 0:
+            prec = self.history.get(parent)
+            if prec is not None and prec.count > rec.count > 0:
+                value *= (rec.count / prec.count) ** s["branch_weight"]
+        sharers = self._sharers.get(key, 0)
+        if sharers and s["beta"]:
+            value *= 1.0 + s["beta"] * math.log2(1 + sharers)
+        mass = self._mass.get(key)
+        if mass is not None and s["gamma"]:
+            a, t = mass
+            if s["attn_half_life_s"] > 0:
+                a *= 2.0 ** (-max(now - t, 0.0) / s["attn_half_life_s"])
+            value += s["gamma"] * a
+        if self.reuse is not None and s["reuse_weight"]:
+            value *= self.reuse(key) ** s["reuse_weight"]
+        size = self._size[key]
+        value *= self.miss_cost(key, size, rec) * _MIB / max(size, 1)
+        self._set_priority(key, self.level + value)
+
+    # -- events -----------------------------------------------------------------------------
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        self.on_remove(key)
+        self._add(key, size, parent)
+        self.history.record(key, self.clock(), parent)
+        self._rescore(key)
+
+    def on_access(self, key: Hashable) -> None:
+        if key in self._size:
+            self.history.use(key, self.clock(), self._settings["half_life_s"])
+            self._rescore(key)
+
+    def on_touch(self, key: Hashable, mass: float) -> None:
+        if key not in self._size:
+            return
+        mass = float(mass)
+        if not math.isfinite(mass) or mass < 0:
+            raise ValueError(f"attention mass must be a finite number >= 0, got {mass!r}")
+        now, old = self.clock(), self._mass.get(key)
+        if old is not None and self._settings["attn_half_life_s"] > 0:
+            w = 2.0 ** (-max(now - old[1], 0.0) / self._settings["attn_half_life_s"])
+            mass = w * old[0] + (1.0 - w) * mass
+        self._mass[key] = (mass, now)
+        self._rescore(key)
+
+    def on_sharers(self, key: Hashable, sharers: int) -> None:
+        if key not in self._size:
+            return
+        if sharers < 0:
+            raise ValueError(f"sharers must be >= 0, got {sharers}")
+        if sharers:
+            self._sharers[key] = int(sharers)
+        else:
+            self._sharers.pop(key, None)
+        self._rescore(key)
+
+    def _forget(self, key: Hashable) -> None:
+        self._mass.pop(key, None)
+        self._sharers.pop(key, None)

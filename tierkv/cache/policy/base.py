@@ -1,0 +1,351 @@
+"""The eviction-policy interface, its settings, and the registry.
+
+A policy only picks victims; capacity and watermarks live in the tier. One instance serves one
+tier. The primitives:
+
+- ``on_insert(key, size, parent)``: a block entered this tier (not a use by itself: when the block
+  enters because it is being used, a commit or a promotion for a read, call ``on_access`` too).
+- ``on_access(key)``: a hit or use of the block in this tier.
+- ``on_remove(key)``: the block left this tier (evicted, demoted, promoted, dropped).
+- ``victims(nbytes, protected)``: blocks whose recorded sizes sum to at least ``nbytes``, none of them
+  protected; all or nothing (``None`` when impossible). It never changes membership: the caller calls
+  ``on_remove`` for each block it really moves.
+
+Optional hooks with no-op defaults: ``on_touch`` (attention mass), ``on_sharers`` (leases + children).
+Every policy has named, typed settings that can be changed at run time with ``update``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+import itertools
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+Clock = Callable[[], float]
+Protected = Callable[[Hashable], bool]
+
+
+def never(_key: Hashable) -> bool:
+    """A ``protected`` predicate that protects nothing."""
+    return False
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One tunable value of a policy: its default, type, bounds and meaning."""
+
+    default: Any
+    doc: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[Any, ...] | None = None
+
+    def coerce(self, name: str, value: Any) -> Any:
+        """Return ``value`` converted to this setting's type, or raise ``ValueError``.
+
+        Strings are accepted (they come from ``tierkv tune KEY=VALUE`` and the CLI).
+        """
+        kind = type(self.default)
+        try:
+            if kind is bool:
+                if isinstance(value, str):
+                    low = value.strip().lower()
+                    if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                        raise ValueError(value)
+                    value = low in ("1", "true", "yes", "on")
+                elif not isinstance(value, (bool, int)):
+                    raise ValueError(value)
+                value = bool(value)
+            elif kind is int:
+                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                    raise ValueError(value)
+                value = int(value)
+            elif kind is float:
+                if isinstance(value, bool):
+                    raise ValueError(value)
+                value = float(value)
+                if math.isnan(value):
+                    raise ValueError(value)
+            else:
+                value = str(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}") from None
+        if self.min is not None and value < self.min:
+            raise ValueError(f"{name}: {value!r} is below the minimum {self.min}")
+        if self.max is not None and value > self.max:
+            raise ValueError(f"{name}: {value!r} is above the maximum {self.max}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{name}: {value!r} is not one of {', '.join(map(str, self.choices))}")
+        return value
+
+
+def checked_settings(specs: dict[str, Setting], current: dict[str, Any], updates: dict[str, Any],
+                     owner: str) -> dict[str, Any]:
+    """``current`` with ``updates`` coerced by ``specs``; an unknown key or bad value raises ``ValueError``."""
+    new = dict(current)
+    for key, value in updates.items():
+        spec = specs.get(key)
+        if spec is None:
+            known = ", ".join(sorted(specs)) or "none"
+            raise ValueError(f"{owner} has no setting {key!r} (settings: {known})")
+        new[key] = spec.coerce(key, value)
+    return new
+
+
+def walk_victims(segments: Iterable[Iterable[tuple[Hashable, int]]], nbytes: int,
+                 protected: Protected) -> list[Hashable] | None:
+    """Take unprotected (key, size) pairs in order until ``nbytes`` are covered; None if they never are."""
+    if nbytes <= 0:
+        return []
+    out, got = [], 0
+    for segment in segments:
+        for key, size in segment:
+            if protected(key):
+                continue
+            out.append(key)
+            got += size
+            if got >= nbytes:
+                return out
+    return None
+
+
+class Policy(ABC):
+    """Chooses which blocks leave one tier. See the module docstring for the contract."""
+
+    name: ClassVar[str] = ""
+    SETTINGS: ClassVar[dict[str, Setting]] = {}
+
+    def __init__(self, *, clock: Clock = time.monotonic, **settings: Any) -> None:
+        self.clock = clock
+        self._settings: dict[str, Any] = {k: s.default for k, s in self.SETTINGS.items()}
+        self.update(**settings)
+
+    # -- membership ---------------------------------------------------------------------------
+    @abstractmethod
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """Record that ``key`` (``size`` bytes in this tier, child of ``parent``) entered the tier."""
+
+    @abstractmethod
+    def on_access(self, key: Hashable) -> None:
+        """Record a hit or use of a resident block."""
+
+    @abstractmethod
+    def on_remove(self, key: Hashable) -> None:
+        """Forget a block that left the tier; unknown keys are ignored."""
+
+    @abstractmethod
+    def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
+        """Pick blocks to free at least ``nbytes``.
+
+        Args:
+            nbytes: bytes to free; ``<= 0`` returns ``[]``.
+            protected: ``protected(key)`` is true for blocks that must stay (leased, pinned).
+
+        Returns:
+            Keys whose recorded sizes sum to ``>= nbytes``, best victim first, or ``None`` if the
+            unprotected blocks are not enough. Membership is unchanged.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    # -- optional signals ---------------------------------------------------------------------
+    def on_touch(self, key: Hashable, mass: float) -> None:  # noqa: B027 - optional hook
+        """Attention mass reported by a client for a resident block (1.0 = uniform)."""
+
+    def on_sharers(self, key: Hashable, sharers: int) -> None:  # noqa: B027 - optional hook
+        """Live leases plus prefix children of a block changed to ``sharers``."""
+
+    # -- settings -----------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """The effective settings (a copy)."""
+        return dict(self._settings)
+
+    def update(self, **settings: Any) -> None:
+        """Change settings at run time; a bad key or value raises ``ValueError`` and changes nothing."""
+        self._settings = checked_settings(self.SETTINGS, self._settings, settings, f"policy {self.name!r}")
+        self._settings_changed()
+
+    def _settings_changed(self) -> None:  # noqa: B027 - optional hook
+        """Called after settings change (e.g. to cache values in attributes)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} blocks={len(self)}>"
+
+
+class HeapPolicy(Policy):
+    """A policy that evicts the lowest priority first, kept in a heap with lazy invalidation.
+
+    Subclasses compute priorities and call :meth:`_set_priority`. Ties go to the older entry.
+    With ``tails_first`` a block is only a candidate once none of its children is resident in this
+    tier, so prefix chains shrink from the tail (a parent is worth at least its children).
+    """
+
+    tails_first: ClassVar[bool] = False
+
+    def __init__(self, *, clock: Clock = time.monotonic, **settings: Any) -> None:
+        self._size: dict[Hashable, int] = {}
+        self._prio: dict[Hashable, float] = {}
+        self._ver: dict[Hashable, int] = {}
+        self._parent: dict[Hashable, Hashable] = {}
+        self._kids: dict[Hashable, int] = {}  # resident children per parent key (parent may be absent)
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._pending: dict[Hashable, None] = {}  # re-scored since the last victims(): pushed lazily
+        self._seq = itertools.count()
+        self._last_victims: set[Hashable] = set()
+        self.level = 0.0  # GDSF inflation clock: priority of the last block chosen and removed
+        super().__init__(clock=clock, **settings)
+
+    # membership bookkeeping shared by subclasses
+    def _add(self, key: Hashable, size: int, parent: Hashable | None) -> None:
+        if size < 0:
+            raise ValueError(f"block size must be >= 0, got {size}")
+        self._size[key] = int(size)
+        if parent is not None and parent != key:
+            self._parent[key] = parent
+            self._kids[parent] = self._kids.get(parent, 0) + 1
+
+    def _discard(self, key: Hashable) -> bool:
+        if self._size.pop(key, None) is None:
+            return False
+        self._prio.pop(key, None)
+        self._ver.pop(key, None)
+        # Without this a removed key stayed in _pending until the next victims(): a tier that never
+        # fills (a large disk) calls victims() never, so every key ever deleted from it was kept.
+        self._pending.pop(key, None)
+        parent = self._parent.pop(key, None)
+        if parent is not None:
+            left = self._kids[parent] - 1
+            if left:
+                self._kids[parent] = left
+            else:
+                del self._kids[parent]
+                if self.tails_first and parent in self._prio:  # the parent is a leaf again
+                    self._pending[parent] = None
+        return True
+
+    def _set_priority(self, key: Hashable, prio: float) -> None:
+        self._prio[key] = prio
+        self._ver[key] = next(self._seq)
+        self._pending[key] = None  # several updates before the next victims() cost one push
+
+    def _flush(self) -> None:
+        """Push the entries of blocks re-scored since the last call (leaves only with tails_first)."""
+        heap, prio, ver, kids = self._heap, self._prio, self._ver, self._kids
+        tails = self.tails_first
+        for key in self._pending:
+            if key in prio and not (tails and kids.get(key)):
+                heapq.heappush(heap, (prio[key], ver[key], key))
+        self._pending.clear()
+        if len(heap) > 4 * len(self._size) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        self._heap = [(self._prio[k], self._ver[k], k) for k in self._size
+                      if not (self.tails_first and self._kids.get(k))]
+        heapq.heapify(self._heap)
+        self._pending.clear()
+
+    def on_remove(self, key: Hashable) -> None:
+        if key in self._last_victims:  # an eviction we chose: advance the aging clock
+            self._last_victims.discard(key)
+            self.level = max(self.level, self._prio.get(key, self.level))
+        if self._discard(key):
+            self._forget(key)
+
+    def _forget(self, key: Hashable) -> None:  # noqa: B027 - optional hook
+        """Drop a subclass's per-block state for a block that left the tier."""
+
+    def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
+        if nbytes <= 0:
+            return []
+        if self._pending:
+            self._flush()
+        heap, chosen, got = self._heap, [], 0
+        popped: list[tuple[float, int, Hashable]] = []  # entries to put back (victims must not mutate)
+        chosen_set: set[Hashable] = set()
+        taken_kids: dict[Hashable, int] = {}
+        while got < nbytes and heap:
+            entry = heapq.heappop(heap)
+            _, ver, key = entry
+            if self._ver.get(key) != ver or key in chosen_set:
+                continue  # stale or duplicate
+            if self.tails_first and self._kids.get(key, 0) - taken_kids.get(key, 0) > 0:
+                continue  # not a leaf; it is pushed again when its last child leaves
+            popped.append(entry)
+            if protected(key):
+                continue
+            chosen.append(key)
+            chosen_set.add(key)
+            got += self._size[key]
+            parent = self._parent.get(key)
+            if self.tails_first and parent is not None and parent in self._size:
+                n = taken_kids.get(parent, 0) + 1
+                taken_kids[parent] = n
+                if n == self._kids[parent]:  # the parent would be a leaf once these go
+                    heapq.heappush(heap, (self._prio[parent], self._ver[parent], parent))
+        for entry in popped:
+            heapq.heappush(heap, entry)
+        if got < nbytes:
+            return None
+        self._last_victims = chosen_set
+        return chosen
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._size
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._size)
+
+    def priority(self, key: Hashable) -> float:
+        """The current priority of a resident block (higher stays longer)."""
+        return self._prio[key]
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Policy]] = {}
+_MODULES = ("lru", "lfu", "slru", "gdsf", "attention", "belady")
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make ``cls`` available to :func:`make_policy` under ``cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_all() -> None:
+    for mod in _MODULES:
+        importlib.import_module(f"tierkv.cache.policy.{mod}")
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The class registered as ``name``; unknown names raise ``ValueError``."""
+    _load_all()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(policy_names(oracles=True))})") from None
+
+
+def policy_names(*, oracles: bool = False) -> list[str]:
+    """Names of the built-in policies; ``oracles`` adds simulator-only ones (``opt``)."""
+    _load_all()
+    return [n for n, c in _REGISTRY.items() if oracles or not getattr(c, "oracle", False)]
+
+
+def make_policy(name: str, *, clock: Clock = time.monotonic, **settings: Any) -> Policy:
+    """Build the policy registered as ``name`` with ``settings`` (bad ones raise ``ValueError``)."""
+    return policy_class(name)(clock=clock, **settings)

@@ -1,0 +1,127 @@
+"""Admission to a colder tier: which blocks leaving a faster tier are written there.
+
+Admission by predicted reuse, not by past use. A block evicted before its first reuse (the previous
+turn of a conversation whose next turn has not come yet) is exactly the block a chat needs next, so
+a rule that waits for a second use drops it. The ``predicted`` rule asks a
+:class:`~tierkv.cache.policy.reuse.ReuseModel` (a ghost list per block class) for the chance ``p`` that a
+victim is requested again, and writes it when the expected saving beats the write::
+
+    p * recompute_s * (1 + depth_cost * depth) >= write_s
+
+Write bandwidth is a budget, not a filter: while the writer has spare bandwidth (``spare``, from
+the caller) every victim goes; under pressure the least valuable are skipped first. Pinned and
+shared blocks are always written. The other modes: ``reused`` (used twice, shared or pinned),
+``all``, ``pinned``.
+
+Plain code, no threads and no I/O: the daemon and ``tierkv replay`` both call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from tierkv.cache.policy.base import Setting, checked_settings
+from tierkv.cache.policy.reuse import ReuseModel
+
+MODES = ("predicted", "reused", "all", "pinned")
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"admission mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+class Placement:
+    """The admission rule of one cold tier (see the module docstring).
+
+    Args:
+        mode: ``predicted`` (the default), ``reused``, ``all`` or ``pinned``.
+        **settings: see ``SETTINGS`` and :attr:`ReuseModel.SETTINGS`.
+    """
+
+    SETTINGS = {
+        "recompute_s": Setting(0.05, "seconds to recompute one block at the start of a prompt", min=0.0),
+        "depth_cost": Setting(0.02, "extra recompute cost per block of depth (fraction of recompute_s)",
+                              min=0.0),
+        "write_s": Setting(0.02, "seconds of writer time one block costs", min=0.0),
+    }
+
+    def __init__(self, mode: str = "predicted", **settings: Any) -> None:
+        self.mode = _check_mode(mode)
+        own = {k: v for k, v in settings.items() if k not in ReuseModel.SETTINGS}
+        self.model = ReuseModel(**{k: v for k, v in settings.items() if k in ReuseModel.SETTINGS})
+        self._settings = checked_settings(self.SETTINGS, {k: s.default for k, s in self.SETTINGS.items()},
+                                          own, "admission")
+        self.admitted = 0
+        self.rejected = 0
+
+    # -- engine signals, passed to the model ------------------------------------------------------
+    def requested(self, keys: Sequence[Hashable], now: float) -> None:
+        """A request named ``keys`` (its prefix chain, in order); see :meth:`ReuseModel.requested`."""
+        self.model.requested(keys, now)
+
+    def request_finished(self, keys: Sequence[Hashable], now: float) -> None:
+        """A request finished; ``keys`` are a conversation tail that may be extended."""
+        self.model.request_finished(keys, now)
+
+    def stored(self, keys: Sequence[Hashable], now: float) -> None:
+        """``keys`` (a chain) were stored; see :meth:`ReuseModel.stored`."""
+        self.model.stored(keys, now)
+
+    # -- the decision -----------------------------------------------------------------------------
+    def wants(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
+              spare: bool = False) -> bool:
+        """Whether a victim ``key`` would be written (no side effects; see :meth:`admit`)."""
+        mode = self.mode
+        if mode == "all" or pinned:
+            return True
+        if mode == "pinned":
+            return False
+        if mode == "reused":
+            return sharers >= 2 or self.model.uses(key) >= 2
+        if spare or sharers >= 2:
+            return True
+        s = self._settings
+        saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self.model.depth(key))
+        return self.model.p(key, now) * saved >= s["write_s"]
+
+    def admit(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
+              spare: bool = False) -> bool:
+        """Whether a victim ``key`` is written to the tier; counts the decision and, in ``predicted``
+        mode, remembers it on the model's ghost list.
+
+        Args:
+            key: the block leaving the faster tier.
+            now: the caller's clock (seconds).
+            sharers: live leases plus prefix children.
+            pinned: the block belongs to a pinned prefix.
+            spare: the writer has spare bandwidth (its queue is empty): every victim goes.
+        """
+        ok = self.wants(key, now, sharers=sharers, pinned=pinned, spare=spare)
+        if self.mode == "predicted":
+            self.model.left(key, now)
+        if ok:
+            self.admitted += 1
+        else:
+            self.rejected += 1
+        return ok
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and the learned classes (for ``tierkv stats``)."""
+        return {"mode": self.mode, "admitted": self.admitted, "rejected": self.rejected,
+                **self.model.snapshot()}
+
+    # -- settings ---------------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """The effective settings (a copy), with the mode and the model's."""
+        return {"mode": self.mode, **self._settings, **self.model.settings()}
+
+    def update(self, **settings: Any) -> None:
+        """Change settings; a bad key or value raises ``ValueError`` and changes nothing."""
+        mode = _check_mode(settings.pop("mode", self.mode))
+        model = {k: settings.pop(k) for k in list(settings) if k in ReuseModel.SETTINGS}
+        own = checked_settings(self.SETTINGS, self._settings, settings, "admission")
+        self.model.update(**model)
+        self._settings, self.mode = own, mode

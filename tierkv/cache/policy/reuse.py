@@ -1,0 +1,183 @@
+"""Predicted reuse: the chance that a block leaving a tier is requested again, learned online.
+
+Blocks are grouped in classes; a ghost list remembers, for each block that left the tier, its
+class at that moment (bounded: about as many entries as the tier holds blocks, so a return counts
+only while keeping the block would have paid). A later request or store of the key counts a
+*return* for its class; a key that falls off the ghost list counts a *miss*. The estimate of a
+class is ``(returns + 2 * prior) / (returns + misses + 2)``. A class is
+
+- the block's past uses (1, 2, 3 or more),
+- whether it is the tail of its chain (the last block of the request it was last seen in, which
+  no later request has extended yet; ``request_finished`` marks a finished request's tail),
+- whether its chain is live (requested or finished within ``tail_ttl_s``),
+- the length of that chain (log2 buckets).
+
+Plain code, no threads and no I/O. Keys are any hashable (the simulator's pages, the daemon's
+fingerprinted keys). The admission rule (:mod:`tierkv.cache.policy.placement`) and, through ``reuse``,
+the attention policy use it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from tierkv.cache.policy.base import Setting, checked_settings
+
+
+class _Chain:
+    """The last request a block was seen in: its length, its tail, when it was last used."""
+
+    __slots__ = ("length", "t", "tail")
+
+    def __init__(self, length: int, t: float, tail: Hashable | None) -> None:
+        self.length, self.t, self.tail = length, t, tail
+
+
+class _Rec:
+    """One block: the chain it was last seen in, its depth there, how often it was used."""
+
+    __slots__ = ("chain", "depth", "uses")
+
+    def __init__(self, chain: _Chain, depth: int) -> None:
+        self.chain, self.depth, self.uses = chain, depth, 0
+
+
+class ReuseModel:
+    """Learns per block class how often blocks that left a tier come back (module docstring).
+
+    Args:
+        **settings: see ``SETTINGS``.
+    """
+
+    SETTINGS = {
+        "tail_ttl_s": Setting(600.0, "a requested or finished chain counts as live this long", min=0.0),
+        "ghost_entries": Setting(1 << 16, "departures remembered to learn which classes come back", min=16),
+        "prior": Setting(0.5, "return probability assumed for a class not seen yet", min=0.0, max=1.0),
+        "max_records": Setting(1 << 17, "blocks remembered (uses, chain), least recently used dropped first",
+                               min=16),
+    }
+
+    def __init__(self, **settings: Any) -> None:
+        self._settings = {k: s.default for k, s in self.SETTINGS.items()}
+        self.update(**settings)
+        self._rec: OrderedDict[Hashable, _Rec] = OrderedDict()
+        self._ghost: OrderedDict[Hashable, int] = OrderedDict()
+        self._back: dict[int, float] = {}
+        self._gone: dict[int, float] = {}
+        self.returns = 0
+        self.finished = 0
+
+    # -- signals --------------------------------------------------------------------------------
+    def requested(self, keys: Sequence[Hashable], now: float) -> None:
+        """A request named ``keys`` (its prefix chain, in order): one use each; ghosts return."""
+        if not keys:
+            return
+        chain = _Chain(len(keys), now, keys[-1])
+        recs = self._rec
+        for d, key in enumerate(keys):
+            r = recs.get(key)
+            if r is None:
+                r = recs[key] = _Rec(chain, d)
+            else:
+                old = r.chain
+                if old is not chain and old.tail == key:
+                    old.tail = None  # the chain it ended is extended by this request
+                r.chain, r.depth = chain, d
+                recs.move_to_end(key)
+            r.uses += 1
+        self._returned(keys)
+        self._trim()
+
+    def request_finished(self, keys: Sequence[Hashable], now: float) -> None:
+        """``keys`` (a chain, in order) finished a request: a conversation tail that may be extended."""
+        if not keys:
+            return
+        self.finished += 1
+        r = self._rec.get(keys[-1])
+        if r is None:
+            self.requested(keys, now)
+            r = self._rec[keys[-1]]
+        r.chain.t, r.chain.tail = now, keys[-1]
+
+    def stored(self, keys: Sequence[Hashable], now: float) -> None:
+        """``keys`` (a chain, in order) were stored: a use for those no request named; a key on the
+        ghost list counts a return (it was dropped and computed again)."""
+        fresh = [k for k in keys if k not in self._rec]
+        self._returned(keys)
+        if fresh:
+            self.requested(fresh, now)
+
+    def left(self, key: Hashable, now: float, horizon: int | None = None) -> None:
+        """``key`` left the tier (evicted, demoted or dropped): remember its class. ``horizon``: how
+        many departures to remember (the blocks the tier holds now), instead of ``ghost_entries``."""
+        ghost = self._ghost
+        ghost[key] = self.block_class(key, now)
+        ghost.move_to_end(key)
+        limit = self._settings["ghost_entries"] if horizon is None else max(16, horizon)
+        while len(ghost) > limit:
+            _, old = ghost.popitem(last=False)
+            self._gone[old] = self._gone.get(old, 0.0) + 1.0
+
+    def _returned(self, keys: Sequence[Hashable]) -> None:
+        ghost, back = self._ghost, self._back
+        for key in keys:
+            cls = ghost.pop(key, None)
+            if cls is not None:
+                back[cls] = back.get(cls, 0.0) + 1.0
+                self.returns += 1
+
+    def _trim(self) -> None:
+        recs, cap = self._rec, self._settings["max_records"]
+        while len(recs) > cap:
+            recs.popitem(last=False)
+
+    # -- estimates ------------------------------------------------------------------------------
+    def block_class(self, key: Hashable, now: float) -> int:
+        """The class a block is learned in (see the module docstring)."""
+        r = self._rec.get(key)
+        if r is None:
+            return 0
+        uses, chain = min(r.uses, 3), r.chain
+        live = now - chain.t <= self._settings["tail_ttl_s"]
+        tail = chain.tail == key
+        return uses * 64 + (tail * 2 + live) * 8 + min(chain.length.bit_length(), 7)
+
+    def uses(self, key: Hashable) -> int:
+        """How many requests and stores used ``key`` (0 if it is not remembered)."""
+        r = self._rec.get(key)
+        return r.uses if r is not None else 0
+
+    def depth(self, key: Hashable) -> int:
+        """The block's position in the chain it was last seen in (0 if it is not remembered)."""
+        r = self._rec.get(key)
+        return r.depth if r is not None else 0
+
+    def class_p(self, cls: int) -> float:
+        """The learned chance that a block of class ``cls`` comes back."""
+        back, gone = self._back.get(cls, 0.0), self._gone.get(cls, 0.0)
+        return (back + 2.0 * self._settings["prior"]) / (back + gone + 2.0)
+
+    def p(self, key: Hashable, now: float) -> float:
+        """The learned chance that ``key`` comes back once it leaves the tier."""
+        return self.class_p(self.block_class(key, now))
+
+    def predictor(self, clock: Callable[[], float]) -> Callable[[Hashable], float]:
+        """``key -> p(key, clock())``: what a policy's ``reuse`` hook takes."""
+        return lambda key: self.p(key, clock())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and the learned classes."""
+        classes = {str(c): round(self.class_p(c), 3) for c in sorted(set(self._back) | set(self._gone))}
+        return {"returns": self.returns, "finished_requests": self.finished, "ghost": len(self._ghost),
+                "classes": classes}
+
+    # -- settings -------------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """The effective settings (a copy)."""
+        return dict(self._settings)
+
+    def update(self, **settings: Any) -> None:
+        """Change settings; a bad key or value raises ``ValueError`` and changes nothing."""
+        self._settings = checked_settings(self.SETTINGS, self._settings, settings, "reuse model")

@@ -1,0 +1,1 @@
+"""What both sides of the socket share: layout, keys, errors, units, wire protocol, paths."""

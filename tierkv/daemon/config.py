@@ -1,0 +1,325 @@
+"""Settings: a dataclass per component. Precedence: defaults < TOML file < ``TIERKV_*`` env < CLI flags.
+
+Every field is documented; ``validate()`` raises ``ValueError`` with the offending key. ``Config.sources``
+records where each effective value came from (shown by ``tierkv config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_type_hints
+
+from tierkv.core.paths import default_runtime_dir, default_socket  # noqa: F401 - re-exported for the daemon and CLI
+from tierkv.core.units import parse_size
+
+
+@dataclass
+class ServerConfig:
+    """The daemon process."""
+
+    socket: str = ""
+    """Unix socket path (0600 in a 0700 directory); empty means the default path."""
+    data_dir: str = ".tierkv"
+    """Directory for the disk tier (created 0700; refused if a symlink or writable by others)."""
+    allow_uids: list[int] = field(default_factory=list)
+    """Extra uids allowed to connect besides the daemon's own (checked with SO_PEERCRED)."""
+    max_frame_bytes: int = 16 << 20
+    """Largest control frame accepted; checked before allocating."""
+    max_clients: int = 256
+    """Connections above this are refused."""
+    lookup_index_slots: int = 1 << 20
+    """Slots of the shared lookup index clients answer ``lookup`` from (8 bytes each; it holds up to 3/4
+    as many blocks, beyond that lookups go through the socket). 0: every lookup goes through the socket."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: how long to wait for in-flight writes and the shutdown flush."""
+    flush_on_shutdown: bool = True
+    """On SIGTERM, write host-tier blocks that are not yet on disk to the disk tier (a warm next start)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Daemon log level (logs go to stderr)."""
+    metrics_addr: str = ""
+    """Prometheus ``/metrics`` endpoint, ``HOST:PORT`` or ``PORT`` (loopback); empty: no endpoint."""
+    sample_interval_s: float = 1.0
+    """Seconds between the samples behind ``tierkv stats --plot`` (0: no samples)."""
+    sample_count: int = 900
+    """Samples kept (the newest; 900 at 1 s is the last 15 minutes)."""
+
+
+@dataclass
+class HostConfig:
+    """The host-memory tier: one shared-memory pool (memfd) split into slabs of fixed-size slots."""
+
+    capacity: int = 1 << 30
+    """Bytes of shared memory for block slots."""
+    slab_bytes: int = 32 << 20
+    """Slab size; a namespace's slot must fit in one slab. Slabs move between slot sizes as needed."""
+    high_watermark: float = 0.95
+    """Start demoting to disk when used/capacity exceeds this."""
+    low_watermark: float = 0.85
+    """Demote until used/capacity falls below this."""
+    prefault: bool = True
+    """Allocate the pool's memory at start (fails early if memory is short; no page faults later)."""
+    policy: str = "attention"
+    """Eviction policy for this tier (lru, lfu, slru, gdsf, attention)."""
+    max_pinned_fraction: float = 0.5
+    """Pinned prefixes may hold at most this share of the host tier."""
+    write_behind: bool = True
+    """While the disk is idle, write blocks the disk tier admits ahead of eviction (coldest first), so
+    that a burst of stores finds clean blocks to evict and never waits for the disk."""
+    write_behind_above: float = 0.5
+    """Write behind only while the host tier is fuller than this share of its capacity."""
+
+
+@dataclass
+class DiskConfig:
+    """The disk tier: one LMDB environment in the data directory."""
+
+    enabled: bool = True
+    """Turn the disk tier off to run host-only."""
+    capacity: int = 16 << 30
+    """Bytes of stored (encoded) blocks; the LMDB map is sized from this."""
+    codec: str = "lossless"
+    """Codec for new writes (old blocks stay readable after a change)."""
+    codec_level: int = 1
+    """zstd level used by the codec."""
+    high_watermark: float = 0.95
+    """Drop least-recently-used blocks when used/capacity exceeds this."""
+    low_watermark: float = 0.90
+    """Drop until used/capacity falls below this."""
+    workers: int = 2
+    """Encode/decode worker threads (zstd releases the GIL)."""
+    sync: bool = True
+    """fsync each write transaction (required for durable acknowledgements)."""
+    write_batch: int = 256
+    """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
+    policy: str = "attention"
+    """Eviction policy for this tier (what to drop when the disk is full)."""
+    admission: Literal["predicted", "all", "reused", "pinned"] = "predicted"
+    """Which host victims are written to disk: ``predicted`` (every one while the writer keeps up; under
+    pressure those whose learned chance of a return, times the recompute time saved, beats the write),
+    every one, those used twice / shared / pinned, or pinned only. Durable puts and the shutdown flush
+    are always written."""
+
+
+@dataclass
+class GpuConfig:
+    """The GPU tier: device memory shared with the engine through a CUDA IPC handle (off by default)."""
+
+    capacity: int = 0
+    """Bytes of device memory for block slots; 0 turns the tier off."""
+    device: str = "auto"
+    """auto (CUDA if torch sees a GPU, else the CPU stand-in), cuda, cuda:N, or cpu (the stand-in)."""
+    slab_bytes: int = 32 << 20
+    """Slab size of the device pool (a namespace's slot must fit in one slab); capped at the capacity."""
+
+
+@dataclass
+class BudgetConfig:
+    """Bandwidth caps per link in bytes/s (0 = unlimited), so offload traffic cannot starve decode."""
+
+    host_disk: int = 0
+    """host <-> disk."""
+    gpu_host: int = 0
+    """gpu <-> host."""
+    host_remote: int = 0
+    """host <-> remote."""
+
+
+from tierkv.tiers.remote import RemoteConfig  # noqa: E402 - the remote tier documents its own settings
+
+
+@dataclass
+class Config:
+    """All settings of one daemon."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    disk: DiskConfig = field(default_factory=DiskConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    policy: dict[str, Any] = field(default_factory=dict)
+    """Policy weights (``[policy]`` table, ``policy.<name>`` keys), applied to every tier whose policy has them."""
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    SECTIONS = ("server", "host", "disk", "gpu", "budget", "remote", "policy")
+
+    @property
+    def socket_path(self) -> str:
+        """The effective socket path."""
+        return self.server.socket or default_socket()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        h, d, s = self.host, self.disk, self.server
+        if h.capacity <= 0:
+            raise ValueError("host.capacity must be > 0")
+        if s.lookup_index_slots != 0 and not 1024 <= s.lookup_index_slots <= 1 << 30:
+            raise ValueError("server.lookup_index_slots must be 0 (off) or between 1024 and 2^30")
+        if h.slab_bytes < 4096 or h.slab_bytes > h.capacity:
+            raise ValueError("host.slab_bytes must be between 4 KiB and host.capacity")
+        for name, lo, hi in (("host", h.low_watermark, h.high_watermark), ("disk", d.low_watermark, d.high_watermark)):
+            if not (0 < lo <= hi <= 1):
+                raise ValueError(f"{name} watermarks must satisfy 0 < low <= high <= 1")
+        if d.enabled and d.capacity < (1 << 20):
+            raise ValueError("disk.capacity must be at least 1 MiB")
+        g = self.gpu
+        if g.capacity < 0:
+            raise ValueError("gpu.capacity must be >= 0 (0 turns the GPU tier off)")
+        if g.slab_bytes < 4096 or g.slab_bytes % 4096:
+            raise ValueError("gpu.slab_bytes must be a multiple of 4 KiB (at least 4 KiB)")
+        dev = g.device.strip().lower()
+        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ValueError(f"gpu.device: expected auto, cpu, cuda or cuda:N, got {g.device!r}")
+        if d.workers < 1 or d.workers > 64:
+            raise ValueError("disk.workers must be between 1 and 64")
+        if d.write_batch < 1:
+            raise ValueError("disk.write_batch must be >= 1")
+        if s.max_frame_bytes < 4096:
+            raise ValueError("server.max_frame_bytes must be >= 4096")
+        if s.drain_timeout_s < 0:
+            raise ValueError("server.drain_timeout_s must be >= 0")
+        if s.sample_interval_s < 0 or not 1 <= s.sample_count <= 1 << 20:
+            raise ValueError("server.sample_interval_s must be >= 0 and server.sample_count within 1..2^20")
+        if s.metrics_addr:
+            from tierkv.daemon.metrics import parse_addr
+
+            parse_addr(s.metrics_addr)
+        if not 0 <= h.write_behind_above <= 1:
+            raise ValueError("host.write_behind_above must be within 0..1")
+        if not 0 <= h.max_pinned_fraction <= 1:
+            raise ValueError("host.max_pinned_fraction must be within 0..1")
+        from tierkv.cache.policy import policy_class, policy_names
+
+        for name, value in (("host.policy", h.policy), ("disk.policy", d.policy)):
+            if value not in policy_names():
+                raise ValueError(f"{name}: unknown policy {value!r} (known: {', '.join(policy_names())})")
+        # A weight is kept even while the active policies lack it (it applies when one that has it is
+        # chosen); a key no built-in policy knows is a typo.
+        every = {n: policy_class(n).SETTINGS for n in policy_names()}
+        for key, value in self.policy.items():
+            owners = [n for n, settings in every.items() if key in settings]
+            if not owners:
+                known = sorted({k for settings in every.values() for k in settings})
+                raise ValueError(f"policy.{key}: no policy has this setting (settings: {', '.join(known)})")
+            for n in owners:
+                every[n][key].coerce(f"policy.{key}", value)
+        from tierkv.codecs import available_codecs
+
+        if d.codec not in available_codecs():
+            raise ValueError(f"disk.codec: unknown codec {d.codec!r} (known: {', '.join(available_codecs())})")
+        for name in ("host_disk", "gpu_host", "host_remote"):
+            if getattr(self.budget, name) < 0:
+                raise ValueError(f"budget.{name} must be >= 0")
+        self.remote.validate()
+
+    def policy_settings(self, name: str) -> dict[str, Any]:
+        """The ``[policy]`` settings that the policy ``name`` has."""
+        from tierkv.cache.policy import policy_class
+
+        known = policy_class(name).SETTINGS
+        return {k: v for k, v in self.policy.items() if k in known}
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Effective settings as nested plain dicts."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS if name != "policy"}
+        out["policy"] = dict(self.policy)
+        return out
+
+    def set(self, dotted: str, value: Any, source: str) -> None:
+        """Set ``section.key`` from a string or typed value, converting to the field's type."""
+        section, _, key = dotted.partition(".")
+        if section not in self.SECTIONS or not key:
+            raise ValueError(f"unknown setting {dotted!r} (sections: {', '.join(self.SECTIONS)})")
+        if section == "policy":  # free-form weights, checked against the policies in validate()
+            self.policy[key] = value
+            self.sources[dotted] = source
+            return
+        obj = getattr(self, section)
+        hints = get_type_hints(type(obj))
+        if key not in hints:
+            raise ValueError(f"unknown setting {dotted!r}; {section} has: {', '.join(hints)}")
+        setattr(obj, key, _convert(dotted, hints[key], value, key))
+        self.sources[dotted] = source
+
+
+_SIZE_KEYS = {"capacity", "slab_bytes", "max_frame_bytes", "host_disk", "gpu_host", "host_remote", "batch_bytes"}
+
+
+def _convert(name: str, typ: Any, value: Any, key: str) -> Any:
+    try:
+        if key in _SIZE_KEYS:
+            return parse_size(value)
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"expected a boolean, got {value!r}")
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError("expected an integer")
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError("expected a string")
+            return value
+        if getattr(typ, "__origin__", None) is Literal:
+            if value not in get_args(typ):
+                raise ValueError(f"expected one of {get_args(typ)}")
+            return value
+        if getattr(typ, "__origin__", None) is list:
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()]
+            return [int(v) for v in value]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad value for {name}: {value!r} ({exc})") from None
+    raise ValueError(f"cannot set {name}")
+
+
+def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """Build the effective config: defaults < TOML ``path`` < ``TIERKV_SECTION_KEY`` env < ``overrides``.
+
+    Args:
+        path: a TOML file with ``[server]``, ``[host]``, ``[disk]`` tables (optional).
+        env: environment to read (``os.environ`` by default), e.g. ``TIERKV_HOST_CAPACITY=8GiB``.
+        overrides: dotted keys to values, e.g. ``{"host.capacity": "8GiB"}`` (from CLI flags).
+    """
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read config {p}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"bad TOML in {p}: {exc}") from None
+        for section, table in data.items():
+            if section not in cfg.SECTIONS or not isinstance(table, dict):
+                raise ValueError(f"{p}: unknown section [{section}]")
+            for key, value in table.items():
+                cfg.set(f"{section}.{key}", value, f"file:{p}")
+    env = os.environ if env is None else env
+    for name, value in env.items():
+        if not name.startswith("TIERKV_"):
+            continue
+        rest = name[len("TIERKV_"):].lower()
+        section, _, key = rest.partition("_")
+        if section in cfg.SECTIONS and section != "policy" and key:
+            cfg.set(f"{section}.{key}", value, f"env:{name}")
+    if "TIERKV_SOCKET" in env and "server.socket" not in cfg.sources:
+        cfg.set("server.socket", env["TIERKV_SOCKET"], "env:TIERKV_SOCKET")
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            cfg.set(dotted, value, "flag")
+    cfg.validate()
+    return cfg

@@ -1,0 +1,204 @@
+"""Prometheus ``/metrics`` for the daemon (``tierkv serve --metrics-addr``).
+
+A custom collector turns the daemon's stats snapshot into metric families on each scrape, so the hot
+paths keep their plain counters and pay nothing for the export; only request latency is observed per
+request, into one histogram labelled by op.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tierkv.core.errors import TierKVError
+from tierkv.core.protocol import Op
+
+log = logging.getLogger("tierkv.daemon.metrics")
+
+# (stats key, metric suffix, help) of each monotonic per-tier counter
+_TIER_COUNTERS = (
+    ("hits", "hits", "Blocks served from the tier."),
+    ("misses", "misses", "Blocks asked of the tier and not found there."),
+    ("bytes_in", "bytes_in", "Bytes written into the tier."),
+    ("bytes_out", "bytes_out", "Bytes read out of the tier."),
+    ("evictions", "evictions", "Blocks evicted from the tier."),
+    ("demotions", "demotions", "Blocks moved from the tier to a colder one."),
+    ("promotions", "promotions", "Blocks moved into the tier from a colder one."),
+    ("corrupt", "corrupt_values", "Values that failed their checksum or header check (served as misses)."),
+    ("errors", "errors", "I/O or transport errors of the tier."),
+)
+_BREAKER_STATES = ("up", "read-only", "down")
+LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``"9464"`` -> ``("127.0.0.1", 9464)``; ``"HOST:PORT"`` and ``"[V6]:PORT"`` as given.
+
+    Raises:
+        ValueError: not a port or HOST:PORT with a port in 1..65535.
+    """
+    text = str(addr).strip()
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"server.metrics_addr: expected PORT or HOST:PORT (port 1..65535), got {addr!r}")
+    return host, int(port)
+
+
+class StatsCollector(Collector):
+    """Reads ``stats()`` of a running :class:`tierkv.daemon.server.Server` on each scrape."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def describe(self) -> list[Metric]:
+        return []  # no snapshot at registration: the table may not exist yet
+
+    def collect(self) -> Iterator[Metric]:
+        if self.server.table is None:
+            return
+        st = self.server.stats()
+        yield from _tier_metrics(st["tiers"])
+        yield from _link_metrics(st["transfer"], st["tiers"].get("remote"))
+        yield from _daemon_metrics(st)
+        yield from _namespace_metrics(st.get("namespaces", {}))
+        remote = st["tiers"].get("remote")
+        if remote is not None:
+            g = GaugeMetricFamily("tierkv_remote_breaker_state", "Remote tier circuit breaker: 1 for the "
+                                  "current state.", labels=["state"])
+            for state in _BREAKER_STATES:
+                g.add_metric([state], 1.0 if remote.get("state") == state else 0.0)
+            yield g
+
+
+def _gauge(name: str, doc: str, value: float, unit: str = "") -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value, unit=unit)
+
+
+def _tier_metrics(tiers: dict[str, dict]) -> Iterator[Metric]:
+    gauges = {
+        "capacity": GaugeMetricFamily("tierkv_tier_capacity_bytes", "Capacity of the tier.", labels=["tier"]),
+        "used": GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes the tier holds (slots or stored values).",
+                                  labels=["tier"]),
+        "blocks": GaugeMetricFamily("tierkv_tier_blocks", "Blocks held by the tier.", labels=["tier"]),
+        "logical": GaugeMetricFamily("tierkv_tier_logical_bytes", "Uncompressed bytes of the blocks held.",
+                                     labels=["tier"]),
+        "ratio": GaugeMetricFamily("tierkv_tier_codec_ratio", "Logical over stored bytes (codec ratio).",
+                                   labels=["tier"]),
+    }
+    counters = [(key, CounterMetricFamily(f"tierkv_tier_{suffix}", doc, labels=["tier"]))
+                for key, suffix, doc in _TIER_COUNTERS]
+    for name, d in tiers.items():
+        gauges["capacity"].add_metric([name], d.get("capacity_bytes", 0))
+        gauges["used"].add_metric([name], d.get("used_bytes", 0))
+        gauges["blocks"].add_metric([name], d.get("blocks", 0))
+        gauges["logical"].add_metric([name], d.get("bytes_logical", 0))
+        stored = d.get("bytes_stored", 0)
+        gauges["ratio"].add_metric([name], (d.get("bytes_logical", 0) / stored) if stored else 1.0)
+        for key, fam in counters:
+            fam.add_metric([name], d.get(key, 0))
+    yield from gauges.values()
+    for _, fam in counters:
+        yield fam
+
+
+def _link_metrics(transfer: dict, remote: dict | None) -> Iterator[Metric]:
+    b = CounterMetricFamily("tierkv_link_bytes", "Bytes moved over a link between tiers.", labels=["link"])
+    s = CounterMetricFamily("tierkv_link_seconds", "Seconds spent moving bytes over a link.", labels=["link"])
+    for link, n in transfer.get("bytes", {}).items():
+        b.add_metric([link], n)
+    if remote is not None:
+        b.add_metric(["host->remote"], remote.get("bytes_in", 0))
+        b.add_metric(["remote->host"], remote.get("bytes_out", 0))
+    for link, secs in transfer.get("seconds", {}).items():
+        s.add_metric([link], secs)
+    w = CounterMetricFamily("tierkv_link_wait_seconds", "Seconds transfers waited for a link's bandwidth "
+                            "budget.", labels=["link"])
+    for link, d in transfer.get("links", {}).items():
+        w.add_metric([link], d.get("wait_s", 0.0))
+    yield b
+    yield s
+    yield w
+    yield _gauge("tierkv_transfers_inflight", "Transfers queued or running.", transfer.get("inflight", 0))
+
+
+def _daemon_metrics(st: dict) -> Iterator[Metric]:
+    yield _gauge("tierkv_clients", "Connected clients.", st["clients"])
+    yield _gauge("tierkv_leases", "Blocks leased to clients (pinned until released).", st["leases"])
+    yield CounterMetricFamily("tierkv_requests", "Requests served.", value=st["requests"])
+    yield _gauge("tierkv_uptime_seconds", "Seconds since the daemon started.", st["uptime_s"])
+    yield _gauge("tierkv_degraded", "1 while the daemon reports degraded health.",
+                 1.0 if st["health"] != "ok" else 0.0)
+    li = st.get("lookup_index")
+    if li:
+        yield _gauge("tierkv_lookup_index_slots", "Slots of the shared lookup index.", li["slots"])
+        yield _gauge("tierkv_lookup_index_keys", "Keys in the shared lookup index.", li["keys"])
+        yield _gauge("tierkv_lookup_index_fill_ratio", "Keys over slots of the shared lookup index.",
+                     li["keys"] / li["slots"] if li["slots"] else 0.0)
+        yield _gauge("tierkv_lookup_index_overflow", "1 while the index is full (lookups use the socket).",
+                     1.0 if li["overflow"] else 0.0)
+
+
+def _namespace_metrics(namespaces: dict[str, dict]) -> Iterator[Metric]:
+    blocks = GaugeMetricFamily("tierkv_namespace_blocks", "Blocks of a namespace (model, layout, rank).",
+                               labels=["namespace", "model"])
+    hits = CounterMetricFamily("tierkv_namespace_hits", "Blocks of a namespace served to fetches.",
+                               labels=["namespace", "model"])
+    misses = CounterMetricFamily("tierkv_namespace_misses", "Blocks of a namespace fetched and not cached.",
+                                 labels=["namespace", "model"])
+    for fp, d in namespaces.items():
+        labels = [fp[:16], d["model"]]
+        blocks.add_metric(labels, d["blocks"])
+        hits.add_metric(labels, d.get("hits", 0))
+        misses.add_metric(labels, d.get("misses", 0))
+    yield blocks
+    yield hits
+    yield misses
+
+
+class Metrics:
+    """The registry of one daemon: its stats collector and the request latency histogram."""
+
+    def __init__(self, server: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StatsCollector(server))
+        self.latency = Histogram("tierkv_request_duration_seconds", "Time to serve a request, by op.",
+                                 ["op"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        self._children: dict[int, Any] = {}
+        self._http: Any = None
+
+    def observe(self, op: int, seconds: float) -> None:
+        """Record one request's latency (called from the dispatch loop with the opcode)."""
+        child = self._children.get(op)
+        if child is None:
+            try:
+                name = Op(op).name.lower()
+            except ValueError:
+                name = "unknown"
+            child = self._children[op] = self.latency.labels(op=name)
+        child.observe(seconds)
+
+    def serve(self, addr: str) -> tuple[str, int]:
+        """Serve ``/metrics`` on ``addr`` from a background thread; returns the bound (host, port)."""
+        host, port = parse_addr(addr)
+        try:
+            self._http, _thread = start_http_server(port, host, registry=self.registry)
+        except OSError as exc:
+            raise TierKVError(f"cannot serve metrics on {addr}: {exc.strerror or exc}") from None
+        bound = self._http.server_address[:2]
+        log.info("metrics on http://%s:%d/metrics", *bound)
+        return bound[0], bound[1]
+
+    def close(self) -> None:
+        """Stop serving."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,1 @@
+"""The click CLI and the operator commands."""

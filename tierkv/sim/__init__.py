@@ -1,0 +1,1 @@
+"""Trace replay over the daemon's own policies, OPT, profiling and advice."""

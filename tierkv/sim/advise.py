@@ -1,0 +1,69 @@
+"""``tierkv replay --advise``: the admission setting to run a trace with, measured by replaying it.
+
+The daemon's default placement (as the config sets it) is replayed at the recommended host and disk
+sizes once per admission mode; the advice is the mode with the highest token hit rate, preferring
+fewer disk bytes written when hit rates are within ``tie_points`` of each other. OPT writing every
+victim is replayed beside them as the ceiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from tierkv.sim.replay import ReplayConfig, ReplayResult, TierSpec, Workload, fmt_bytes, replay
+
+
+def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, disk_bytes: int,
+                     configure: Callable[[str, ReplayConfig], ReplayConfig],
+                     modes: Sequence[str] = ("predicted", "reused", "all"),
+                     tie_points: float = 0.5) -> dict[str, Any]:
+    """Replay the default placement under each admission mode and pick one.
+
+    Args:
+        workload: the expanded trace.
+        config: the replay settings; its first two tiers are resized to the recommendation (a disk
+            tier is added when there is none).
+        host_bytes: recommended host capacity.
+        disk_bytes: recommended disk capacity (raw bytes; stored bytes are smaller by the disk's
+            compression).
+        configure: ``configure(name, config)`` -> the config policy ``name`` runs with (the CLI's
+            per-policy setup, which makes ``default`` the daemon's placement).
+        modes: admission modes to compare.
+        tie_points: hit-rate difference (percentage points) under which fewer writes win.
+
+    Returns:
+        ``{"admission": mode, "why": text, "runs": {mode: figures}, "opt": figures}``.
+    """
+    host = TierSpec(**{**asdict(config.tiers[0]), "capacity": max(1, host_bytes)})
+    if len(config.tiers) > 1:
+        disk = config.tiers[1]
+        disk = TierSpec(**{**asdict(disk), "capacity": max(1, int(disk_bytes / max(disk.compression, 1.0)))})
+    else:
+        disk = TierSpec("disk", max(1, int(disk_bytes / 1.4)), read_bytes_per_s=5e9, latency_s=1e-4,
+                        compression=1.4, inclusive=True)
+    fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
+    base = ReplayConfig(**{**fields, "tiers": [host, disk]})
+
+    def run(name: str, mode: str) -> ReplayResult:
+        cfg = configure(name, base)
+        if name != "opt":
+            for t in cfg.tiers[1:]:
+                t.admission = mode
+        return replay(workload, name, cfg)
+
+    runs = {mode: run("default", mode) for mode in modes}
+    best = max(runs.values(), key=lambda r: r.token_hit_rate)
+    close = [m for m, r in runs.items() if (best.token_hit_rate - r.token_hit_rate) * 100 <= tie_points]
+    pick = min(close, key=lambda m: runs[m].disk_writes_bytes)
+    opt = run("opt", "all")
+    figures = {m: _figures(r) for m, r in runs.items()}
+    why = (f"highest token hit rate at host {fmt_bytes(host_bytes)} / disk {fmt_bytes(disk_bytes)}"
+           + (f" (within {tie_points} points, fewest disk writes)" if len(close) > 1 else ""))
+    return {"admission": pick, "why": why, "runs": figures, "opt": _figures(opt)}
+
+
+def _figures(r: ReplayResult) -> dict[str, Any]:
+    return {"token_hit_rate": r.token_hit_rate, "disk_writes_bytes": r.disk_writes_bytes,
+            "ttft_p50_s": r.ttft_p50_s, "placement": r.placement, "admission": r.admission}

@@ -1,0 +1,145 @@
+"""The simulated tier stack: which tiers hold each page, and how pages move between them.
+
+Each page is held by a set of tiers (a bit mask, tier 0 fastest). A read served by a lower tier
+promotes the page into tier 0; an *inclusive* tier (the daemon's disk: a loaded block keeps its
+file copy) keeps its copy and counts a use, an exclusive one gives the page up. Making room in a
+tier asks its policy for victims; a victim with a copy further down just leaves, the others are
+offered to the next tier through the placement rule (:class:`~tierkv.cache.policy.placement.Placement`)
+and dropped when it declines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StackCounters:
+    """Bytes and pages counted while replaying."""
+
+    moved: dict[str, int] = field(default_factory=dict)
+    dropped_bytes: int = 0
+    disk_writes: int = 0
+
+    def move(self, src: str, dst: str, nbytes: int) -> None:
+        key = f"{src}->{dst}"
+        self.moved[key] = self.moved.get(key, 0) + nbytes
+
+
+class TierStack:
+    """Membership, capacity and movement of pages over the simulated tiers.
+
+    Args:
+        names: tier names, fastest first.
+        caps: capacity of each tier in bytes.
+        sizes: bytes one page takes in each tier (after compression).
+        inclusive: per tier, whether a page read from it keeps its copy there.
+        policies: one eviction policy per tier.
+        page_bytes: raw bytes of a page.
+        admit: ``admit(page, tier, now) -> bool``: whether a victim is written into ``tier``.
+        parent_of: page -> previous page of its prefix (for prefix-aware policies).
+        on_leave: ``on_leave(page, tier)`` for each victim chosen in a tier (before it moves).
+    """
+
+    def __init__(self, names: Sequence[str], caps: Sequence[int], sizes: Sequence[int],
+                 inclusive: Sequence[bool], policies: Sequence[Any], page_bytes: int,
+                 admit: Callable[[int, int], bool], parent_of: dict[int, int],
+                 on_leave: Callable[[int, int], None] | None = None) -> None:
+        self.names, self.caps, self.sizes = list(names), list(caps), list(sizes)
+        self.inclusive, self.policies = list(inclusive), list(policies)
+        self.page_bytes, self.admit, self.parent_of = page_bytes, admit, parent_of
+        self.on_leave = on_leave
+        self.n = len(self.names)
+        self.held: dict[int, int] = {}   # page -> bit mask of the tiers holding it
+        self.used = [0] * self.n
+        self.c = StackCounters()
+
+    def fastest(self, page: int) -> int | None:
+        """The fastest tier holding ``page`` (None if none)."""
+        mask = self.held.get(page)
+        return None if not mask else (mask & -mask).bit_length() - 1
+
+    def _add(self, page: int, t: int) -> None:
+        self.held[page] = self.held.get(page, 0) | (1 << t)
+        self.used[t] += self.sizes[t]
+        self.policies[t].on_insert(page, self.sizes[t], self.parent_of.get(page))
+
+    def _remove(self, page: int, t: int) -> None:
+        self.policies[t].on_remove(page)
+        self.used[t] -= self.sizes[t]
+        mask = self.held[page] & ~(1 << t)
+        if mask:
+            self.held[page] = mask
+        else:
+            del self.held[page]
+
+    def promote(self, page: int, t: int) -> None:
+        """``page`` is read from tier ``t`` > 0 on its way into tier 0."""
+        if self.inclusive[t]:
+            self.policies[t].on_access(page)
+        else:
+            self._remove(page, t)
+        self.c.move(self.names[t], self.names[0], self.page_bytes)
+
+    def make_room(self, t: int, nbytes: int, protect: set[int]) -> bool:
+        """Free ``nbytes`` in tier ``t`` (victims move further down). False if impossible."""
+        need = self.used[t] + nbytes - self.caps[t]
+        if need <= 0:
+            return True
+        victims = self.policies[t].victims(need, protect.__contains__)
+        if victims is None:
+            return False
+        below = t + 1
+        down: list[int] = []
+        for v in victims:
+            if self.on_leave is not None:
+                self.on_leave(v, t)
+            self._remove(v, t)
+            if v in self.held and self.held[v] >> below:
+                continue  # a copy further down is still there: nothing to write
+            if below < self.n and self.admit(v, below):
+                down.append(v)
+            elif v not in self.held:
+                self.c.dropped_bytes += self.page_bytes
+        if down:
+            self._demote(t, down, protect)
+        return True
+
+    def _demote(self, t: int, pages: list[int], protect: set[int]) -> None:
+        below = t + 1
+        size = self.sizes[below]
+        if not self.make_room(below, len(pages) * size, protect):
+            # the lower tier is full of protected pages: drop what does not fit
+            fit = max(0, (self.caps[below] - self.used[below]) // size)
+            self.c.dropped_bytes += (len(pages) - fit) * self.page_bytes
+            pages = pages[:fit]
+            if pages:
+                self.make_room(below, len(pages) * size, protect)
+        for v in pages:
+            self._add(v, below)
+        if pages:
+            self.c.move(self.names[t], self.names[below], len(pages) * self.page_bytes)
+            if self.names[below] == "disk":
+                self.c.disk_writes += len(pages) * size
+
+    def insert0(self, pages: list[int], protect: set[int]) -> None:
+        """Put ``pages`` (promoted or computed) into tier 0, as many as fit beside ``protect``."""
+        if not pages:
+            return
+        size0 = self.sizes[0]
+        pol = self.policies[0]
+        if not self.make_room(0, len(pages) * size0, protect):
+            fit = 0
+            while fit < len(pages) and self.make_room(0, size0, protect):
+                self._add(pages[fit], 0)
+                pol.on_access(pages[fit])
+                fit += 1
+            for p in pages[fit:]:
+                if p not in self.held:
+                    self.c.dropped_bytes += self.page_bytes
+            return
+        for p in pages:
+            self._add(p, 0)
+            pol.on_access(p)
