@@ -2,16 +2,14 @@
 
 Every case must end in an error reply or a closed connection, leave the daemon's state as it was and
 its anonymous memory within 1 MB. Frames are written by hand (``RawClient``) so nothing on the client
-side filters them. The other reliability test modules import ``RawClient`` and ``proc_sample`` from here.
+side filters them. ``RawClient`` lives in ``tests/helpers.py``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import struct
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,122 +21,18 @@ from tierkv.core import protocol
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.core.protocol import HEADER, Op
-from tierkv.ops.cli import _TUNABLES
 
-from .conftest import SMALL, Daemon
-
-# The daemon re-execs itself once to set these glibc tunables; setting them up front skips that
-# (a second torch import) and keeps the allocator exactly as in production.
-FAST_ENV = {"GLIBC_TUNABLES": _TUNABLES}
-MAX_FRAME = 16 << 20  # the daemon's default server.max_frame_bytes
-
-
-# ---- helpers shared with test_reliability / test_security / test_statemachine ----------------------
-class RawClient:
-    """One protocol connection driven by hand: frames go out exactly as given."""
-
-    def __init__(self, path: str, timeout: float = 10.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(path)
-        self.rid = 0
-        self.pool_fd: int | None = None
-
-    def send(self, op: int, body: Any = None, rid: int | None = None) -> int:
-        if rid is None:
-            self.rid += 1
-            rid = self.rid
-        self.sock.sendall(protocol.pack(op, rid, body if body is not None else {}))
-        return rid
-
-    def recv(self) -> tuple[int, int, int, Any]:
-        return protocol.recv_frame(self.sock, 1 << 30)
-
-    def call(self, op: int, body: Any = None) -> tuple[int, Any]:
-        """Send one request; return (status, body) of its reply."""
-        rid = self.send(op, body)
-        rop, status, rrid, reply = self.recv()
-        assert (rop, rrid) == (int(op), rid), "reply does not echo the request"
-        return status, reply
-
-    def ok(self, op: int, body: Any = None) -> Any:
-        status, reply = self.call(op, body)
-        assert status == protocol.STATUS_OK, reply
-        return reply
-
-    def hello(self, ns: Namespace | dict, keep_fd: bool = False) -> tuple[int, Any]:
-        """HELLO with a namespace; the pool memfd is closed unless ``keep_fd``."""
-        body = ns.to_dict() if isinstance(ns, Namespace) else ns
-        self.rid += 1
-        self.sock.sendall(protocol.pack(Op.HELLO, self.rid, {"namespace": body}))
-        _op, status, _rid, reply, fds = protocol.recv_frame_with_fds(self.sock, 1 << 30)
-        for fd in fds:
-            if keep_fd and self.pool_fd is None:
-                self.pool_fd = fd
-            else:
-                os.close(fd)
-        return status, reply
-
-    def read_to_eof(self, limit: int = 1 << 20) -> bytes:
-        """Everything the daemon sends until it closes the connection (raises on timeout)."""
-        out = bytearray()
-        while len(out) < limit:
-            try:
-                chunk = self.sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            out += chunk
-        return bytes(out)
-
-    def close(self) -> None:
-        if self.pool_fd is not None:
-            os.close(self.pool_fd)
-            self.pool_fd = None
-        self.sock.close()
-
-
-def proc_sample(pid: int) -> dict[str, int]:
-    """Leak-relevant figures of a process from /proc: fds, mappings, threads, RSS and anonymous RSS (kB)."""
-    out = {"fds": len(os.listdir(f"/proc/{pid}/fd")),
-           "maps": sum(1 for _ in open(f"/proc/{pid}/maps"))}
-    for line in open(f"/proc/{pid}/status"):
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "Threads"):
-            out[{"VmRSS": "rss_kb", "RssAnon": "anon_kb", "Threads": "threads"}[key]] = int(value.split()[0])
-    return out
-
-
-def quiet_sample(pid: int, polls: int = 3, step: float = 0.05, timeout: float = 10.0) -> dict[str, int]:
-    """``proc_sample`` once fds and threads hold still for ``polls`` polls (a connection thread that has
-    answered its last request may still be closing its socket)."""
-    deadline = time.monotonic() + timeout
-    last, same = proc_sample(pid), 0
-    while same < polls and time.monotonic() < deadline:
-        time.sleep(step)
-        now = proc_sample(pid)
-        same = same + 1 if (now["fds"], now["threads"]) == (last["fds"], last["threads"]) else 0
-        last = now
-    return last
-
-
-def block_values(keys: list[bytes], layout: Layout = SMALL) -> np.ndarray:
-    """Block contents derived from each key (an oracle needs no memory of what was written)."""
-    n = layout.block_bytes // 2
-    out = np.empty((len(keys), n), np.uint16)
-    for i, k in enumerate(keys):
-        out[i] = np.random.default_rng(int.from_bytes(k[:8], "little")).integers(0, 1 << 16, n, np.uint16)
-    return out.reshape(layout.batch_shape(len(keys)))
-
-
-def wait_for(pred, timeout: float = 15.0, step: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return bool(pred())
+from .helpers import (
+    FAST_ENV,
+    MAX_FRAME,
+    SMALL,
+    Daemon,
+    RawClient,
+    _send_and_close,
+    block_values,
+    quiet_sample,
+    wait_for,
+)
 
 
 # ---- fixtures ------------------------------------------------------------------------------------
@@ -211,15 +105,6 @@ TRUNCATED_FRAMES: dict[str, bytes] = {
 }
 
 
-def _send_and_close(path: str, frame: bytes) -> bytes:
-    """Send a frame, half-close, and read whatever comes back until the daemon closes."""
-    c = RawClient(path)
-    try:
-        c.sock.sendall(frame)
-        c.sock.shutdown(socket.SHUT_WR)
-        return c.read_to_eof()
-    finally:
-        c.close()
 
 
 def _assert_error_or_nothing(data: bytes, what: str) -> None:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,17 +20,7 @@ import tierkv.client.client
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest, KeyMissing, ProtocolError, TierKVError
 
-from .conftest import SMALL
-
-
-def rand_blocks(n: int, layout: tierkv.Layout = SMALL, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.batch_shape(n), generator=g).to(layout.torch_dtype)
-
-
-def keys_for(c: tierkv.Client, n: int, seed: int = 0) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    return c.block_keys(rng.integers(0, 50000, n * c.layout.block_tokens))
+from .helpers import SMALL, keys_for, rand_blocks
 
 
 def test_round_trip_host(daemon):

@@ -8,7 +8,7 @@ import re
 from tierkv.cache.policy import policy_class, policy_names
 from tierkv.daemon.config import Config
 
-from .conftest import REPO
+from .helpers import REPO
 
 DOCS = [REPO / "README.md", REPO / "docs" / "design.md", REPO / "docs" / "benchmarks.md"]
 

@@ -15,8 +15,7 @@ import torch
 import tierkv
 from tierkv.core.errors import BadRequest, KeyMissing
 
-from .conftest import REPO, SMALL
-from .test_daemon import keys_for, rand_blocks
+from .helpers import REPO, SMALL, keys_for, rand_blocks
 
 STANDIN = ["--gpu-capacity", "8MiB", "--gpu-device", "cpu"]  # 8 MiB / 8 KiB slots: 1,024 blocks
 
@@ -110,7 +109,7 @@ def test_gpu_leases_end_with_the_connection_and_prefetch(gdaemon):
 import os, sys, time
 sys.path.insert(0, {str(REPO)!r})
 import tierkv, torch
-from tests.conftest import SMALL
+from tests.helpers import SMALL
 c = tierkv.Client.connect({gdaemon.socket!r}, model="test-model", layout=SMALL)
 keys = [bytes([i + 1]) * 16 for i in range(8)]
 c.put(keys, torch.zeros(SMALL.batch_shape(8), dtype=SMALL.torch_dtype), tier="gpu")

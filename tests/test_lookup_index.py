@@ -20,7 +20,7 @@ from tierkv.core import protocol
 from tierkv.core.errors import ConnectionFailed
 from tierkv.core.lookup_index import IndexedBlocks, LookupIndex, available
 
-from .conftest import SMALL
+from .helpers import SMALL
 
 pytestmark = pytest.mark.skipif(not available(), reason="tierkv._lookup did not build")
 

@@ -13,9 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tierkv.daemon.metrics import parse_addr
 
 from . import redis_servers
-from .conftest import REPO, SMALL
+from .helpers import REPO, SMALL, keys_for, rand_blocks
 from .redis_servers import need_redis
-from .test_daemon import keys_for, rand_blocks
 
 redis_factory = redis_servers.redis_factory
 
@@ -69,12 +68,12 @@ def test_scrape_counters_rise_with_traffic(daemon_factory):
 
 
 def test_metrics_off_by_default(daemon):
+    from tierkv.client.admin import request
     from tierkv.core.errors import BadRequest
-    from tierkv.ops.cli import _request
 
     assert "metrics on" not in daemon.log.read_text()
     with pytest.raises(BadRequest, match="fixed at start-up"):
-        _request(daemon.socket, "TUNE", {"settings": {"server.metrics_addr": "9464"}})
+        request(daemon.socket, "TUNE", {"settings": {"server.metrics_addr": "9464"}})
 
 
 def test_parse_addr():

@@ -13,11 +13,11 @@ import time
 import pytest
 from click.testing import CliRunner, Result
 
-from tierkv.ops.cli import _request, main
+from tierkv.client.admin import request
+from tierkv.ops.cli import main
 from tierkv.ops.plot import series
 
-from .conftest import REPO, SMALL
-from .test_daemon import keys_for, rand_blocks
+from .helpers import REPO, SMALL, keys_for, rand_blocks
 
 
 def tierkv(*args: str, check: bool = True) -> Result:
@@ -119,7 +119,7 @@ def test_stats_plot(daemon_factory, tmp_path):
     d = daemon_factory(env={"TIERKV_SERVER_SAMPLE_INTERVAL_S": "0.1"})
     _traffic(d)
     time.sleep(0.3)
-    snap = _request(d.socket, "STATS", {"samples": True})
+    snap = request(d.socket, "STATS", {"samples": True})
     assert snap["interval_s"] == 0.1 and len(snap["samples"]) >= 5
     first, last = snap["samples"][0], snap["samples"][-1]
     assert last["tiers"]["host"]["hits"] >= 6 * 16 > first["tiers"]["host"]["hits"]

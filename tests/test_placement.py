@@ -19,9 +19,7 @@ from tierkv.daemon.config import Config
 from tierkv.ops.replay_cli import replay as replay_cmd
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
 
-from .conftest import REPO
-from .test_daemon import keys_for, rand_blocks
-from .test_replay import PAGE, line
+from .helpers import PAGE, REPO, keys_for, line, rand_blocks
 
 MIB_LAYOUT = tierkv.Layout(8, 8, 128, 32, "bfloat16")  # 1 MiB blocks
 

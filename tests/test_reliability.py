@@ -24,6 +24,7 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
+from tierkv.client.admin import request
 from tierkv.codecs import CodecError, decode_block, encode_block
 from tierkv.codecs.container import _FIXED, _HASH, MAGIC
 from tierkv.core.errors import KeyMissing, TierKVError
@@ -31,10 +32,8 @@ from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.core.protocol import Op
 from tierkv.ops import admin_cli
-from tierkv.ops.cli import _request
 
-from .conftest import SMALL
-from .test_badinput import FAST_ENV, RawClient, block_values, quiet_sample, wait_for
+from .helpers import FAST_ENV, SMALL, RawClient, block_values, quiet_sample, wait_for
 
 BIG = Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks: fills disks and maps quickly
 KILL_LOOPS = 20
@@ -135,7 +134,7 @@ def test_kill9_loop_durable_acks_survive(daemon_factory):
     assert len(acked) >= KILL_LOOPS, "the writers barely wrote anything: the loop tested nothing"
     with d.client(model="crash") as c:
         assert missing_of(c, acked) == []
-    scrub = _request(d.socket, "VERIFY", {"drop": False})
+    scrub = request(d.socket, "VERIFY", {"drop": False})
     assert scrub["bad"] == [] and scrub["checked"] >= len(set(acked))
     print(f"kill -9 loop: {KILL_LOOPS} loops, {len(acked)} durable acks, 0 lost, "
           f"{unacked_present} unacknowledged blocks found whole")
@@ -580,7 +579,7 @@ def test_corrupt_values_are_misses_dropped_and_counted(daemon_factory):
             c.get([keys[13]])  # read: a miss, dropped, counted
         assert c.stats()["tiers"]["disk"]["corrupt"] == len(scan_level) + 1
         # the record went at once; the value's delete commits just after the reply
-        assert wait_for(lambda: len(_request(d.socket, "VERIFY", {"drop": False})["bad"]) == 1, timeout=10)
+        assert wait_for(lambda: len(request(d.socket, "VERIFY", {"drop": False})["bad"]) == 1, timeout=10)
         r = runner.invoke(admin_cli.verify, ["--drop", "--socket", d.socket])
         assert r.exit_code == 0 and "1 bad, 1 dropped" in r.output, r.output
         r = runner.invoke(admin_cli.verify, ["--socket", d.socket])

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from tierkv.ops.cli import main
 
 from . import redis_servers
+from .helpers import keys_for, rand_blocks
 from .redis_servers import need_redis
-from .test_daemon import keys_for, rand_blocks
 
 redis_server = redis_servers.redis_server
 redis_cluster = redis_servers.redis_cluster

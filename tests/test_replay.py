@@ -26,12 +26,7 @@ from tierkv.sim.replay import (
     sweep,
 )
 
-PAGE = 512  # kv_bytes_per_token=1 below, so one 512-token page is 512 bytes
-
-
-def line(ts_ms, n_in, ids, n_out=1):
-    return json.dumps({"timestamp": ts_ms, "input_length": n_in, "output_length": n_out, "hash_ids": ids})
-
+from .helpers import PAGE, line
 
 # Hand-computed LRU run, host capacity 3 pages (1,536 B):
 #   r0 [1,2] 1024 tok: miss both                         cache 1,2     (LRU order)

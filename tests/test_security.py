@@ -25,8 +25,7 @@ from tierkv.core.protocol import HEADER, Op
 from tierkv.daemon.config import load_config
 from tierkv.daemon.server import Server
 
-from .conftest import REPO, SMALL
-from .test_badinput import FAST_ENV, RawClient, _send_and_close, wait_for
+from .helpers import FAST_ENV, REPO, SMALL, RawClient, _send_and_close, wait_for
 
 NOBODY = 65534
 STRANGER = 65533

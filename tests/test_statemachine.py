@@ -30,13 +30,12 @@ from hypothesis.stateful import (
 )
 
 import tierkv
+from tierkv.client.admin import request
 from tierkv.core.errors import BadRequest, KeyMissing
 from tierkv.core.layout import Layout
 from tierkv.core.protocol import Op
-from tierkv.ops.cli import _request
 
-from .conftest import Daemon
-from .test_badinput import FAST_ENV, wait_for
+from .helpers import FAST_ENV, Daemon, wait_for
 
 LAYOUT = Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks; the host tier holds 16
 UNIVERSE = 48  # keys per example: three times what the host tier holds
@@ -117,7 +116,7 @@ class TierKVMachine(RuleBasedStateMachine):
         self.open_slots = [x for x in self.open_slots if x[0] is not c]
         c.close()  # its leases and open slots are the daemon's to free now, as soon as it sees the close
         want = sum(len(idx) for _c, _l, idx in self.leases)
-        assert wait_for(lambda: _request(self.socket, "STATS")["leases"] == want, timeout=10)
+        assert wait_for(lambda: request(self.socket, "STATS")["leases"] == want, timeout=10)
 
     @rule(i=client_ix, idx=idx_lists, version=st.integers(0, 3), durable=st.booleans())
     def put(self, i: int, idx: list[int], version: int, durable: bool) -> None:
@@ -205,7 +204,7 @@ class TierKVMachine(RuleBasedStateMachine):
     # ---- invariants -----------------------------------------------------------------------------
     @invariant()
     def counts_within_bounds(self) -> None:
-        s = _request(self.socket, "STATS")
+        s = request(self.socket, "STATS")
         assert s["leases"] >= 0
         assert s["leases"] == sum(len(idx) for _c, _l, idx in self.leases)
         for tier in ("host", "disk"):
@@ -216,7 +215,7 @@ class TierKVMachine(RuleBasedStateMachine):
         for c in self.clients:
             c.close()
         # the daemon frees what they held; wait so the next example starts from zero leases
-        assert wait_for(lambda: _request(self.socket, "STATS")["leases"] == 0, timeout=10)
+        assert wait_for(lambda: request(self.socket, "STATS")["leases"] == 0, timeout=10)
         with tierkv.Client.connect(self.socket, model=self.model, layout=LAYOUT) as c:
             c.delete(self.keys)
 

@@ -9,7 +9,7 @@ import torch
 
 import tierkv
 
-from .test_daemon import keys_for, rand_blocks
+from .helpers import keys_for, rand_blocks
 
 BIG = tierkv.Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks
 

@@ -14,7 +14,7 @@ import tierkv
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.ops.cli import main
 
-from .test_daemon import keys_for, rand_blocks
+from .helpers import keys_for, rand_blocks
 
 BIG = tierkv.Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks
 

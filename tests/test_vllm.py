@@ -26,7 +26,7 @@ from tierkv.integrations.model import MODEL_ID, ensure_converted
 from tierkv.integrations.vllm.launch import VllmServer, connector_config
 from tierkv.integrations.vllm.plan import salt_root
 
-from .conftest import Daemon
+from .helpers import Daemon
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(900)]
 

@@ -36,8 +36,9 @@ import numpy as np
 import torch
 
 import tierkv
+from tierkv.client.admin import request
 from tierkv.core.errors import ConnectionFailed, KeyMissing, TierKVError
-from tierkv.ops.cli import _TUNABLES, _request
+from tierkv.ops.cli import _TUNABLES
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = tierkv.Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks
@@ -81,7 +82,7 @@ class Daemon:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                _request(self.socket, "PING")
+                request(self.socket, "PING")
                 return time.monotonic() - t0
             except ConnectionFailed:
                 time.sleep(0.02)
@@ -200,7 +201,7 @@ def main() -> int:
                     else:
                         unacked_absent += 1
                 attempted -= set(pending)  # an unacknowledged key is judged once
-            st = _request(d.socket, "STATS")
+            st = request(d.socket, "STATS")
             corrupt_at_scan += st["tiers"]["disk"]["corrupt"]
             readers_max = max(readers_max, st["tiers"]["disk"]["readers"])
             if loop == args.loops:
@@ -220,7 +221,7 @@ def main() -> int:
         with tierkv.Client.connect(d.socket, model=MODEL, layout=layout) as c:
             m, w = check(c, acked, layout)
         final_lost, final_wrong = len(m), len(w)
-        scrub = _request(d.socket, "VERIFY", {"drop": False})
+        scrub = request(d.socket, "VERIFY", {"drop": False})
         rc = d.stop()
     finally:
         if d.proc is not None:

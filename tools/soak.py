@@ -161,9 +161,9 @@ def proc_sample(pid: int) -> dict[str, int]:
 
 
 def sample(sock: str, pid: int, t0: float) -> dict:
-    from tierkv.ops.cli import _request
+    from tierkv.client.admin import request
 
-    st = _request(sock, "STATS")
+    st = request(sock, "STATS")
     disk = st["tiers"].get("disk", {})
     return {"t": round(time.time() - t0, 2), **proc_sample(pid), "leases": st["leases"],
             "clients": st["clients"] - 1, "readers": disk.get("readers", 0),
@@ -181,8 +181,9 @@ def slope_per_hour(samples: list[dict], key: str) -> float:
 
 
 def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
+    from tierkv.client.admin import request
     from tierkv.core.errors import ConnectionFailed
-    from tierkv.ops.cli import _TUNABLES, _request
+    from tierkv.ops.cli import _TUNABLES
 
     sockdir = work / "run"
     sockdir.mkdir(mode=0o700)
@@ -197,7 +198,7 @@ def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise RuntimeError((work / "daemon.log").read_text()[-2000:])
         try:
-            _request(sock, "PING")
+            request(sock, "PING")
             return proc, sock
         except ConnectionFailed:
             time.sleep(0.05)
@@ -219,7 +220,7 @@ def main() -> int:
     ap.add_argument("--json", default=str(REPO / "bench-results" / "soak.json"))
     args = ap.parse_args()
 
-    from tierkv.ops.cli import _request
+    from tierkv.client.admin import request
 
     work = Path(tempfile.mkdtemp(prefix="tierkv-soak-"))
     proc = None
@@ -228,7 +229,7 @@ def main() -> int:
             sock = args.socket
         else:
             proc, sock = start_daemon(work)
-        pid = int(_request(sock, "PING")["pid"])
+        pid = int(request(sock, "PING")["pid"])
         ctx = mp.get_context("spawn")
         q: mp.Queue = ctx.Queue()
         ready, stop = ctx.Semaphore(0), ctx.Event()

@@ -64,11 +64,11 @@ def verify(drop: bool, as_json: bool, socket: str | None, timeout: float, max_ba
     Exits 1 when bad entries remain (found and not dropped), 0 when the tier is clean.
     """
     def run() -> None:
-        from tierkv.ops.cli import _request
+        from tierkv.client.admin import request
         from tierkv.ops.progress import bar
 
         with bar(None, "verifying the disk tier"):  # one request: the daemon scans, we show the time
-            r = _request(socket, "VERIFY", {"drop": drop}, timeout=timeout or None)
+            r = request(socket, "VERIFY", {"drop": drop}, timeout=timeout or None)
         bad = list(r.get("bad", []))
         remaining = max(0, len(bad) - int(r.get("dropped", 0)))
         shown = bad[:max_bad] if max_bad else bad
@@ -123,8 +123,8 @@ def check_private_path(path: Path, what: str, want_dir: bool) -> list[Finding]:
 
 def check_socket(path: Path) -> tuple[list[Finding], dict[str, Any] | None]:
     """The socket and its directory; the daemon's stats when one answers."""
+    from tierkv.client.admin import request
     from tierkv.core.errors import ConnectionFailed
-    from tierkv.ops.cli import _request
 
     out = check_private_path(path.parent, "socket dir", want_dir=True)
     try:
@@ -137,7 +137,7 @@ def check_socket(path: Path) -> tuple[list[Finding], dict[str, Any] | None]:
     if st.st_mode & 0o077:
         out.append(Finding("warn", f"socket {path} has mode {_mode(st)} (expected 0o600)"))
     try:
-        stats = _request(str(path), "STATS")
+        stats = request(str(path), "STATS")
     except ConnectionFailed:
         return out + [Finding("warn", f"stale socket file {path}: no daemon behind it (the next start removes "
                                       "it; safe to delete)")], None

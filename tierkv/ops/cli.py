@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from tierkv.client.admin import request
 from tierkv.core.errors import TierKVError
 from tierkv.core.units import format_size
 from tierkv.daemon.config import default_socket, load_config
@@ -173,39 +174,12 @@ def _client_socket(socket: str | None) -> str:
     return socket or default_socket()
 
 
-def _request(socket: str | None, op: str, body: dict | None = None, timeout: float | None = 10.0) -> dict:
-    """One control request without registering a namespace (stats, ping, health, config).
-
-    ``timeout``: seconds to wait for the reply (``None``: no limit)."""
-    import socket as _s
-
-    from tierkv.core import protocol
-    from tierkv.core.errors import ConnectionFailed, error_from_code
-
-    path = _client_socket(socket)
-    s = _s.socket(_s.AF_UNIX, _s.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        s.connect(path)
-        s.sendall(protocol.pack(protocol.Op[op], 1, body or {}))
-        _op, status, _rid, reply = protocol.recv_frame(s)
-    except TimeoutError:
-        raise ConnectionFailed(f"no reply from tierkv at {path} within {timeout:g} s") from None
-    except OSError as exc:
-        raise ConnectionFailed(f"cannot reach tierkv at {path}: {exc.strerror or exc}") from None
-    finally:
-        s.close()
-    if status != protocol.STATUS_OK:
-        raise error_from_code(reply.get("code", ""), reply.get("message", "request failed"))
-    return reply
-
-
 @main.command()
 @click.option("--socket", help="Daemon socket path.")
 def ping(socket: str | None) -> None:
     """Check that the daemon answers; prints the round-trip time."""
     t0 = time.perf_counter()
-    r = _request(socket, "PING")
+    r = request(socket, "PING")
     click.echo(f"pong from pid {r['pid']} in {(time.perf_counter() - t0) * 1e3:.2f} ms")
 
 
@@ -221,12 +195,12 @@ def stats(socket: str | None, as_json: bool, watch: float | None, plot_path: str
     if plot_path is not None:
         from tierkv.ops.plot import render
 
-        snap = _request(socket, "STATS", {"samples": True})
+        snap = request(socket, "STATS", {"samples": True})
         render(snap, plot_path, title=f"tierkv on {_client_socket(socket)}")
         click.echo(f"wrote {plot_path} ({len(snap['samples'])} samples, one every {snap['interval_s']:g} s)")
         return
     while True:
-        r = _request(socket, "STATS")
+        r = request(socket, "STATS")
         if as_json:
             click.echo(json.dumps(r, sort_keys=True))
         else:
@@ -282,7 +256,7 @@ def _print_stats(r: dict) -> None:
 @click.option("--socket", help="Daemon socket path.")
 def health(socket: str | None) -> None:
     """Print ok or degraded (exit 1 when degraded)."""
-    r = _request(socket, "HEALTH")
+    r = request(socket, "HEALTH")
     click.echo(r["status"] + (f": {r['reason']}" if r.get("reason") else ""))
     sys.exit(0 if r["status"] == "ok" else 1)
 
@@ -300,7 +274,7 @@ def tune(assignments: tuple[str, ...], socket: str | None) -> None:
         if not sep or not key.strip():
             raise click.BadParameter(f"{a!r} is not KEY=VALUE")
         settings[key.strip()] = value.strip()
-    r = _request(socket, "TUNE", {"settings": settings})
+    r = request(socket, "TUNE", {"settings": settings})
     click.echo("applied: " + ", ".join(r["applied"]))
 
 
@@ -309,7 +283,7 @@ def tune(assignments: tuple[str, ...], socket: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def config(socket: str | None, as_json: bool) -> None:
     """Show the running daemon's effective settings and where each came from."""
-    r = _request(socket, "CONFIG")
+    r = request(socket, "CONFIG")
     if as_json:
         click.echo(json.dumps(r, sort_keys=True))
         return

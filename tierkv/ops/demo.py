@@ -262,13 +262,13 @@ def demo(engine: str, socket: str | None, as_json: bool, turns: int | None, prom
 def _demo_vllm(socket: str | None, script: list[str], as_json: bool, max_new_tokens: int) -> None:
     import tempfile
 
+    from tierkv.client.admin import request
     from tierkv.core.paths import default_socket
     from tierkv.integrations.model import ensure_converted
-    from tierkv.ops.cli import _request
     from tierkv.ops.demo_vllm import format_vllm_turn, run_vllm_chat
 
     sock = socket or default_socket()
-    _request(sock, "PING")  # no daemon: one line now, before vLLM spends a minute starting
+    request(sock, "PING")  # no daemon: one line now, before vLLM spends a minute starting
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as logs:
         out = sys.stderr if as_json else sys.stdout
         try:

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tierkv.client.admin import request
 from tierkv.integrations.vllm.launch import BLOCK_TOKENS, ChatReply, VllmServer
-from tierkv.ops.cli import _request
 from tierkv.ops.demo import SYSTEM
 
 __all__ = ["VllmTurn", "format_vllm_turn", "run_vllm_chat"]
@@ -52,7 +52,7 @@ class VllmTurn:
 
 
 def _hits(socket: str, block_tokens: int) -> dict[str, int]:
-    tiers = _request(socket, "STATS")["tiers"]
+    tiers = request(socket, "STATS")["tiers"]
     return {name: int(t.get("hits", 0)) * block_tokens for name, t in tiers.items()}
 
 

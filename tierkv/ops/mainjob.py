@@ -36,10 +36,10 @@ STOP_TIMEOUT_S = 120.0
 
 
 def _ping(socket: str) -> bool:
-    from tierkv.ops.cli import _request
+    from tierkv.client.admin import request
 
     try:
-        _request(socket, "PING")
+        request(socket, "PING")
         return True
     except ConnectionFailed:
         return False
@@ -114,9 +114,9 @@ def main() -> int:
     try:
         reports = run_vllm_chat(str(model_dir), socket, TURNS, data_dir, on_turn=lambda r: echo(format_vllm_turn(r)),
                                 on_event=lambda m: echo(f"  {m}\n"))
-        from tierkv.ops.cli import _request
+        from tierkv.client.admin import request
 
-        echo(format_tier_stats(_request(socket, "STATS")))
+        echo(format_tier_stats(request(socket, "STATS")))
         later = [r for r in reports if sum(r.tierkv_tokens.values())]
         if later:
             speed = statistics.median(r.speedup for r in later)

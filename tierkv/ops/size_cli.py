@@ -70,9 +70,9 @@ def size(model: str | None, layers: int | None, kv_heads: int | None, heads: int
     fp = footprint(shape, block_tokens=block_tokens, seq_len=seq_len, batch=batch, codec=codec, tp=tp)
     fit = None
     if socket is not None:
-        from tierkv.ops.cli import _request
+        from tierkv.client.admin import request
 
-        st = _request(socket, "STATS")
+        st = request(socket, "STATS")
         disk_codec = st["tiers"].get("disk", {}).get("codec", "lossless")
         fit = tier_fit(fp, st["tiers"], disk_codec)
     if as_json:

@@ -146,15 +146,15 @@ def top(socket: str | None, interval: float) -> None:
     client and the busiest links. Press q to quit."""
     from rich.live import Live
 
-    from tierkv.ops.cli import _request
+    from tierkv.client.admin import request
 
-    cur = _request(socket, "STATS")  # fail here, with a one-line error, before taking the screen
+    cur = request(socket, "STATS")  # fail here, with a one-line error, before taking the screen
     t_cur = time.monotonic()
     with _keys() as tty, Live(render(cur, None, 0), screen=True, auto_refresh=False) as live:
         try:
             while not _wait_quit(interval, tty):
                 prev, t_prev = cur, t_cur
-                cur, t_cur = _request(socket, "STATS"), time.monotonic()
+                cur, t_cur = request(socket, "STATS"), time.monotonic()
                 live.update(render(cur, prev, t_cur - t_prev), refresh=True)
         except KeyboardInterrupt:
             return
