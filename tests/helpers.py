@@ -22,7 +22,7 @@ from tierkv.core.errors import ConnectionFailed
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.core.protocol import Op
-from tierkv.ops.cli import _TUNABLES
+from tierkv.daemon.allocator import TUNABLES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,7 +131,7 @@ def keys_for(c: tierkv.Client, n: int, seed: int = 0) -> list[bytes]:
 
 # The daemon re-execs itself once to set these glibc tunables; setting them up front skips that
 # (a second torch import) and keeps the allocator exactly as in production.
-FAST_ENV = {"GLIBC_TUNABLES": _TUNABLES}
+FAST_ENV = {"GLIBC_TUNABLES": TUNABLES}
 
 
 MAX_FRAME = 16 << 20  # the daemon's default server.max_frame_bytes

@@ -38,7 +38,7 @@ import torch
 
 from tierkv.integrations.model import load_model, sidecar_threads
 from tierkv.integrations.transformers import attach, plain_generate
-from tierkv.ops.demo import SYSTEM
+from tierkv.ops.conversation import SYSTEM
 from tierkv.ops.mainjob import start_daemon, stop_daemon
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ import torch
 import tierkv
 from tierkv.client.admin import request
 from tierkv.core.errors import ConnectionFailed, KeyMissing, TierKVError
-from tierkv.ops.cli import _TUNABLES
+from tierkv.daemon.allocator import TUNABLES
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = tierkv.Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks
@@ -74,7 +74,7 @@ class Daemon:
     def start(self) -> float:
         cmd = [sys.executable, "-m", "tierkv", "serve", "--socket", self.socket, "--data-dir", str(self.data_dir),
                *self.extra]
-        env = dict(os.environ, GLIBC_TUNABLES=_TUNABLES, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, GLIBC_TUNABLES=TUNABLES, PYTHONUNBUFFERED="1")
         t0 = time.monotonic()
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO)

@@ -183,7 +183,7 @@ def slope_per_hour(samples: list[dict], key: str) -> float:
 def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
     from tierkv.client.admin import request
     from tierkv.core.errors import ConnectionFailed
-    from tierkv.ops.cli import _TUNABLES
+    from tierkv.daemon.allocator import TUNABLES
 
     sockdir = work / "run"
     sockdir.mkdir(mode=0o700)
@@ -192,7 +192,7 @@ def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
            "--host-capacity", "64MiB", "--slab-bytes", "4MiB", "--disk-capacity", "1GiB"]
     logf = open(work / "daemon.log", "ab")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=dict(os.environ, GLIBC_TUNABLES=_TUNABLES, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, GLIBC_TUNABLES=TUNABLES, PYTHONUNBUFFERED="1"))
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:

@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+from tierkv.daemon.allocator import TRIM_STATS
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -114,8 +116,6 @@ def start(server: Any) -> None:
             row: dict[str, Any] = {"t": round(time.time() - t0, 1), **anon_maps(), **mallinfo(),
                                    **malloc_arenas(), "py_blocks": sys.getallocatedblocks(),
                                    "gc_objects": len(gc.get_objects())}
-            from tierkv.ops.cli import TRIM_STATS
-
             row.update({f"trim_{k}": v for k, v in TRIM_STATS.items()})
             try:
                 row.update(_table_sizes(server))

@@ -95,7 +95,8 @@ def _tail(path: Path, n: int = 3000) -> str:
 def main() -> int:
     """Run the main job; returns the process exit status."""
     from tierkv.integrations.model import cache_dir, ensure_converted, is_converted
-    from tierkv.ops.demo import TURNS, format_tier_stats
+    from tierkv.ops.conversation import TURNS
+    from tierkv.ops.demo import format_tier_stats
     from tierkv.ops.demo_vllm import format_vllm_turn, run_vllm_chat
 
     config = CONFIG if CONFIG.is_file() else None
