@@ -6,7 +6,7 @@ every ``TIERKV_MEMDEBUG_S`` seconds (default 10): the process's anonymous RSS sp
 kept, mmapped), the number of malloc arenas, Python's allocated blocks and object counts, and the sizes
 of the daemon's own structures (blocks, policy heaps and dicts, history, connections, threads). With
 ``TIERKV_MEMDEBUG_TRACE=1`` it also runs tracemalloc and writes the top growth by line between samples
-(slow: for finding a Python-level leak, not for figures). Used to tell Python heap growth from
+(slow: for finding a Python-level leak, not for figures). It tells Python heap growth from
 allocator retention in the soak (docs/design.md).
 """
 

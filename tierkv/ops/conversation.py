@@ -9,7 +9,7 @@ HANDBOOK OF THE HARBOUR STREET TOOL LIBRARY
 
 1. What we are. The Harbour Street Tool Library lends tools the way a book library lends books. It \
 started in 2019 in the back room of the old ferry ticket office with forty donated tools and a \
-notebook. It now holds about nine hundred items, from hammers and spirit levels to a cement mixer, \
+notebook. It holds about nine hundred items, from hammers and spirit levels to a cement mixer, \
 two ladders, a sewing machine, a pressure washer and a complete set of bicycle repair tools. The \
 library is run by volunteers and funded by membership fees, a grant from the harbour council and \
 the occasional bake sale.

@@ -197,7 +197,7 @@ def _demo_vllm(socket: str | None, script: list[str], as_json: bool, max_new_tok
     from tierkv.ops.demo_vllm import format_vllm_turn, run_vllm_chat
 
     sock = socket or default_socket()
-    request(sock, "PING")  # no daemon: one line now, before vLLM spends a minute starting
+    request(sock, "PING")  # no daemon: one line, before vLLM spends a minute starting
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as logs:
         out = sys.stderr if as_json else sys.stdout
         try:
