@@ -18,9 +18,9 @@ as a list of per-block tensors (slot views in a pool, not contiguous with each o
   pool is): the kernel then reads or writes host memory directly over the bus, so synchronise the stream
   before reading gathered host blocks.
 
-Both paths share the argument checks (:func:`_check`); the kernel's launch arguments come from
-:func:`kernel_plan`, which the tests also run on CPU tensors against a host build of the same kernel
-source, so the index math is checked without a GPU.
+Both paths share the argument checks (:mod:`tierkv.client.paged.geometry`); the kernel's launch
+arguments come from :func:`kernel_plan`, which the tests also run on CPU tensors against a host build
+of the same kernel source, so the index math is checked without a GPU.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ class Geometry:
 
 
 def tok_head_dims(layout: str) -> tuple[int, int]:
+    """The token and head axes of an engine page in ``layout`` (``ValueError`` for another layout)."""
     if layout == "NHD":
         return 1, 2
     if layout == "HND":
@@ -49,6 +50,7 @@ def tok_head_dims(layout: str) -> tuple[int, int]:
 
 
 def as_layers(caches: Any, what: str) -> list[torch.Tensor]:
+    """Per-layer cache tensors from a list or one ``[L, ...]`` tensor; ``ValueError`` otherwise."""
     if isinstance(caches, torch.Tensor):
         if caches.dim() != 5:
             raise ValueError(f"{what} as one tensor must be [layers, blocks, ., ., head_dim], got {tuple(caches.shape)}")
@@ -61,7 +63,8 @@ def as_layers(caches: Any, what: str) -> list[torch.Tensor]:
 
 
 def check_args(k_caches: Any, v_caches: Any, block_ids: Any, blocks: Any, layout: str, *, to_engine: bool,
-           check_ids: bool = True) -> tuple[Geometry, list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+               check_ids: bool = True) -> tuple[Geometry, list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+    """Check a gather/scatter call; returns its geometry, the K and V layers, the ids and the blocks."""
     t_dim, h_dim = tok_head_dims(layout)
     ks = as_layers(k_caches, "k_caches")
     vs = as_layers(v_caches, "v_caches")
@@ -97,6 +100,7 @@ def check_args(k_caches: Any, v_caches: Any, block_ids: Any, blocks: Any, layout
 
 
 def block_ids_tensor(block_ids: Any, device: torch.device) -> torch.Tensor:
+    """Block ids as a 1-D int64 tensor, on the CPU or on the caches' device."""
     if isinstance(block_ids, torch.Tensor):
         ids = block_ids
     else:
@@ -116,6 +120,7 @@ def block_ids_tensor(block_ids: Any, device: torch.device) -> torch.Tensor:
 
 
 def check_ids_range(ids: torch.Tensor, geo: Geometry, *, unique: bool) -> None:
+    """Ids within the engine's blocks, and distinct when ``unique`` (scatter)."""
     if not geo.n:
         return
     host = ids if ids.device.type == "cpu" else ids.cpu()  # one sync when ids live on the GPU
@@ -127,6 +132,7 @@ def check_ids_range(ids: torch.Tensor, geo: Geometry, *, unique: bool) -> None:
 
 
 def blocks_device_ok(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether the kernel can address blocks on ``t``'s device: the caches' one, or pinned host memory."""
     if t.device == device:
         return True
     # A CUDA kernel can address pinned (page-locked, registered) host memory directly.
@@ -134,6 +140,7 @@ def blocks_device_ok(t: torch.Tensor, device: torch.device) -> bool:
 
 
 def check_blocks(blocks: Any, geo: Geometry, *, writes: bool) -> torch.Tensor | list[torch.Tensor]:
+    """Check the tierkv blocks (a batch tensor or a list of block tensors) against ``geo``."""
     shape = geo.block_shape
     where = "pinned host memory or " if geo.device.type == "cuda" else ""
     if isinstance(blocks, torch.Tensor):

@@ -36,7 +36,8 @@ def _pages(blocks: list[torch.Tensor], geo: Geometry, layout: str) -> list[tuple
 
 
 def cpu_gather(geo: Geometry, ks: list[torch.Tensor], vs: list[torch.Tensor], ids: torch.Tensor,
-                blocks: torch.Tensor | list[torch.Tensor], layout: str) -> None:
+               blocks: torch.Tensor | list[torch.Tensor], layout: str) -> None:
+    """Engine pages -> tierkv blocks on the CPU."""
     if isinstance(blocks, torch.Tensor):
         dst = bits(blocks)
         for kv, caches in enumerate((ks, vs)):
@@ -62,7 +63,8 @@ def cpu_gather(geo: Geometry, ks: list[torch.Tensor], vs: list[torch.Tensor], id
 
 
 def cpu_scatter(geo: Geometry, ks: list[torch.Tensor], vs: list[torch.Tensor], ids: torch.Tensor,
-                 blocks: torch.Tensor | list[torch.Tensor], layout: str) -> None:
+                blocks: torch.Tensor | list[torch.Tensor], layout: str) -> None:
+    """tierkv blocks -> engine pages on the CPU."""
     # Batched page copies run faster than index_copy_ on CPU (measured, torch 2.13).
     srcs = list(bits(blocks).unbind(0)) if isinstance(blocks, torch.Tensor) else [bits(b) for b in blocks]
     pages, idl = _pages(srcs, geo, layout), ids.tolist()

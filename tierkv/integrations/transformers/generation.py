@@ -76,6 +76,7 @@ class Generation:
 
 
 def greedy(logits: torch.Tensor) -> int:
+    """The argmax token of ``logits``."""
     return int(torch.argmax(logits))
 
 
@@ -114,6 +115,7 @@ def plain_generate(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
 
 
 def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """The prompt as ints; ``ValueError`` for an empty prompt or ``max_new_tokens < 1``."""
     ids = [int(t) for t in prompt_ids]
     if not ids:
         raise ValueError("the prompt must hold at least one token")
