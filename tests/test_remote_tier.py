@@ -15,6 +15,7 @@ import tierkv
 from tierkv.codecs import encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
+from tierkv.movers.remote import RemoteMover
 from tierkv.tiers.remote import (
     RemoteConfig,
     RemoteTier,
@@ -62,12 +63,16 @@ def keys(n: int, tag: str = "k") -> list[bytes]:
 
 
 def store(tier: RemoteTier, ks: list[bytes], raw: np.ndarray, codec: str = "lossless") -> list[bool]:
-    return tier.store_blocks([(FP, k, raw[i]) for i, k in enumerate(ks)], LAYOUT, codec=codec)
+    mover = RemoteMover(tier)
+    try:
+        return mover.store([(FP, k, raw[i]) for i, k in enumerate(ks)], LAYOUT, codec=codec)
+    finally:
+        mover.close()
 
 
 def fetch(tier: RemoteTier, ks: list[bytes]) -> tuple[list[bool], np.ndarray]:
     outs = np.zeros((len(ks), LAYOUT.block_bytes), np.uint8)
-    ok = tier.fetch_verified([(FP, k) for k in ks], LAYOUT, list(outs))
+    ok = RemoteMover(tier).fetch([(FP, k) for k in ks], LAYOUT, list(outs))
     return ok, outs
 
 
@@ -402,7 +407,7 @@ def test_tls(redis_factory, tmp_path):
 def test_caller_misuse_raises(redis_server):
     tier = RemoteTier(redis_server.url)
     with pytest.raises(BadRequest):
-        tier.fetch_verified([(FP, b"a")], LAYOUT, [])
+        RemoteMover(tier).fetch([(FP, b"a")], LAYOUT, [])
     with pytest.raises(BadRequest):
         tier.put_many([(b"short", b"a", b"x")])
     with pytest.raises(BadRequest):

@@ -40,7 +40,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -61,10 +60,8 @@ from redis.connection import (
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
-from tierkv.codecs import CodecError, decode_block, encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import FINGERPRINT_BYTES, MAX_KEY_BYTES
-from tierkv.core.layout import Layout
 
 if TYPE_CHECKING:
     from tierkv.cache.policy.admission import Admission
@@ -474,8 +471,7 @@ class RemoteTier:
         fast_reads: read replies with ``recv_into`` into the destination (False: redis-py's parser).
         max_value_bytes: values longer than this are drained and treated as misses (get_many).
         key_prefix: prefix of every key (default ``tierkv:``); must match the ACL key pattern.
-        codec: default codec of :meth:`store_blocks`.
-        encode_workers: threads :meth:`store_blocks` encodes on (started on first use).
+        codec: name of the codec the remote mover encodes this tier's blocks with (the tier stores bytes).
         **redis_kwargs: extra redis-py connection settings (``ssl_ca_certs``, ``socket_keepalive``, ...).
 
     Nothing connects in the constructor: the first call does, so a daemon starts while its remote is down.
@@ -489,12 +485,12 @@ class RemoteTier:
                  connect_timeout_s: float = 1.0, max_batch: int = 16, batch_bytes: int = 32 << 20,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0, fast_reads: bool = True,
                  max_value_bytes: int = 256 << 20, key_prefix: bytes = KEY_PREFIX, codec: str = "lossless",
-                 encode_workers: int = 2, **redis_kwargs: Any) -> None:
+                 **redis_kwargs: Any) -> None:
         self.target = parse_remote_url(url, cluster=cluster)
         if admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {', '.join(ADMISSION_MODES)}, got {admission!r}")
-        if max_batch < 1 or batch_bytes < 1 or max_value_bytes < 1 or encode_workers < 1:
-            raise ValueError("max_batch, batch_bytes, max_value_bytes and encode_workers must be >= 1")
+        if max_batch < 1 or batch_bytes < 1 or max_value_bytes < 1:
+            raise ValueError("max_batch, batch_bytes and max_value_bytes must be >= 1")
         if not (socket_timeout_s > 0 and connect_timeout_s > 0 and backoff_s > 0 and max_backoff_s > 0):
             raise ValueError("timeouts and backoffs must be > 0")
         if ttl_s is not None and ttl_s < 0:
@@ -511,7 +507,6 @@ class RemoteTier:
         self.max_value_bytes = max_value_bytes
         self.key_prefix = key_prefix
         self.codec = codec
-        self.encode_workers = encode_workers
         self.socket_timeout_s = socket_timeout_s
         opts = dict(self.target.options)
         cls = _OURS.get(opts.pop("connection_class", Connection), TcpConnection)
@@ -536,7 +531,6 @@ class RemoteTier:
         self._rc: redis.RedisCluster | None = None
         self._refresh = False
         self._topology_lock = threading.Lock()
-        self._encode_pool: ThreadPoolExecutor | None = None
         if self.cluster:
             if cls is TlsConnection:
                 ssl_opts = {k: opts.pop(k) for k in list(opts) if k.startswith("ssl_")}
@@ -597,57 +591,10 @@ class RemoteTier:
             self._c.put_dropped += out.count(False)
         return out
 
-    def store_blocks(self, items: Sequence[tuple[bytes, bytes, Any]], layout: Layout, *, codec: str | None = None,
-                     level: int = 1) -> list[bool]:
-        """Encode raw blocks (``(fingerprint, key, raw)``, raw of ``layout.block_bytes``) with ``codec``
-        (default: the tier's) and put them.
-
-        Batch i+1 is encoded on ``encode_workers`` helper threads while batch i is on the wire (zstd,
-        xxhash and the container's join release the GIL). Nothing more is encoded once the tier is down or read-only.
-        The raw buffers must stay unchanged until the call returns. Returns one stored flag per item.
-
-        Raises:
-            ValueError: unknown codec or level; ``BadRequest`` for a raw buffer of the wrong size.
-        """
-        codec = codec or self.codec
-        chunks = [items[i:i + self.max_batch] for i in range(0, len(items), self.max_batch)]
-
-        def encode(item: tuple[bytes, bytes, Any]) -> tuple[bytes, bytes, bytes]:
-            fp, k, raw = item
-            return fp, k, encode_block(raw, layout=layout, fingerprint=fp, key=k, codec=codec, level=level)
-
-        def submit(i: int) -> list[Future]:
-            pool = self._encoder()
-            return [pool.submit(encode, item) for item in chunks[i]] if i < len(chunks) else []
-
-        out: list[bool] = []
-        nxt = submit(0) if self.writable() else []
-        try:
-            for i in range(len(chunks)):
-                if not nxt:
-                    break
-                enc = [f.result() for f in nxt]
-                nxt = submit(i + 1)
-                out.extend(self.put_many(enc))
-                if nxt and not self.writable():
-                    break
-        finally:
-            # Never return while a helper may still read the caller's buffers.
-            for f in nxt:
-                if not f.cancel():
-                    f.exception()
-        dropped = len(items) - len(out)
-        if dropped:
-            out.extend([False] * dropped)
-            with self._lock:
-                self._c.put_dropped += dropped
-        return out
-
-    def _encoder(self) -> ThreadPoolExecutor:
+    def count_dropped(self, n: int) -> None:
+        """Count ``n`` values a caller did not send (the tier went down or read-only mid-write)."""
         with self._lock:
-            if self._encode_pool is None:
-                self._encode_pool = ThreadPoolExecutor(self.encode_workers, thread_name_prefix="tierkv-remote-encode")
-            return self._encode_pool
+            self._c.put_dropped += n
 
     def get_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[memoryview | None]:
         """Raw (unverified) values; None where absent, over ``max_value_bytes``, or the tier is down.
@@ -678,31 +625,25 @@ class RemoteTier:
         self._count_gets(out)
         return out
 
-    def fetch_verified(self, items: Sequence[tuple[bytes, bytes]], layout: Layout, outs: Sequence[Any],
-                       *, delete_corrupt: bool = True) -> list[bool]:
-        """Read blocks and decode them into the caller's buffers; True where ``outs[i]`` holds the block.
+    def read_each(self, items: Sequence[tuple[bytes, bytes]], use: Callable[[int, memoryview], bool], *,
+                  limit: int) -> list[bool]:
+        """Read values one by one into a per-thread scratch buffer and hand each to ``use(i, value)``.
 
-        Each value is received into a per-thread scratch buffer and decoded (checksum, namespace, layout
-        and key verified) into ``outs[i]`` while the next values arrive. A value that fails verification
-        is a miss, counted as corrupt, and deleted from the remote (``delete_corrupt``). ``outs[i]`` is
-        unspecified where the flag is False.
+        ``use`` runs while the next values are still arriving and must be done with the view when it
+        returns; its verdict (True: a good value) is the item's flag. A value over ``limit`` bytes, or
+        a reply that is not a value, is a miss counted as corrupt and deleted.
 
         Args:
-            items: ``(fingerprint, key)`` per block.
-            layout: the namespace's layout (a value of another layout is a miss).
-            outs: writable C-contiguous buffers of ``layout.block_bytes`` (numpy arrays, CPU tensors,
-                memoryviews), one per item.
+            items: ``(fingerprint, key)`` per value.
+            use: consumes value ``i``; returns whether it was good.
+            limit: largest value accepted, in bytes.
 
-        Raises:
-            BadRequest: ``outs`` does not match ``items`` or a buffer is unusable (caller misuse).
+        Returns:
+            One flag per item: True where ``use`` accepted the value.
         """
-        if len(outs) != len(items):
-            raise BadRequest("outs and items differ in length")
         keys = [self.key(fp, k) for fp, k in items]
         ok = [False] * len(items)
         bad: list[int] = []
-        # Bound what a hostile value can make us allocate: a container is never much above the raw block.
-        limit = layout.block_bytes + layout.block_bytes // 64 + (64 << 10)
 
         def into(n: int) -> memoryview | None:
             if n > limit:
@@ -715,12 +656,7 @@ class RemoteTier:
         def read(rd: Any, i: int) -> Any:
             r = rd.reply(into)
             if isinstance(r, memoryview):
-                fp, k = items[i]
-                try:
-                    decode_block(r, layout=layout, fingerprint=fp, key=k, out=outs[i])
-                    ok[i] = True
-                except CodecError:
-                    bad.append(i)
+                ok[i] = bool(use(i, r))
                 with self._lock:
                     self._c.bytes_out += r.nbytes
             elif r is _SKIPPED or isinstance(r, bytes):
@@ -730,13 +666,18 @@ class RemoteTier:
         self._run(keys, build=lambda i: (b"GET", keys[i]), read=read, write=False)
         self._count_gets(ok)
         if bad:
-            with self._lock:
-                self._c.corrupt += len(bad)
-            log.warning("remote tier: %d corrupt or foreign values%s", len(bad),
-                        " (deleted)" if delete_corrupt else "")
-            if delete_corrupt:
-                self.delete_many([items[i] for i in bad])
+            self.drop_corrupt([items[i] for i in bad])
         return ok
+
+    def drop_corrupt(self, items: Sequence[tuple[bytes, bytes]], *, delete: bool = True) -> None:
+        """Count values that failed verification as corrupt and delete them (``delete``)."""
+        if not items:
+            return
+        with self._lock:
+            self._c.corrupt += len(items)
+        log.warning("remote tier: %d corrupt or foreign values%s", len(items), " (deleted)" if delete else "")
+        if delete:
+            self.delete_many(items)
 
     def exists_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         """Which blocks the remote holds, in one round trip per batch (False everywhere while down).
@@ -854,11 +795,7 @@ class RemoteTier:
                 "nodes": len(infos)}
 
     def close(self) -> None:
-        """Close every connection and the encode thread (later calls reconnect)."""
-        with self._lock:
-            pool, self._encode_pool = self._encode_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        """Close every connection (later calls reconnect)."""
         if self._pool is not None:
             self._pool.disconnect()
         with self._topology_lock:
