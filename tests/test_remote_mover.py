@@ -1,5 +1,5 @@
-"""The remote mover inside the transfer engine: paces writes by the host<->remote budget (real
-redis-server, in-process engine and disk tier)."""
+"""The remote mover inside the transfer engine: encodes for the remote tier, reuses the disk tier's blobs,
+paces writes by the host<->remote budget (real redis-server, in-process engine and disk tier)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import tierkv
+import tierkv.movers.remote as remote_mover
+from tierkv.codecs import encode_block
 from tierkv.core.keys import Namespace
 from tierkv.movers.transfer import Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.remote import RemoteTier
+from tierkv.tiers.remote import RemoteTier, remote_key
 
 from . import redis_servers
 from .redis_servers import need_redis
@@ -42,6 +44,58 @@ def engine(tmp_path):
     yield eng
     eng.close()
     disk.close()
+
+
+def _count_encodes(monkeypatch) -> list[int]:
+    calls = [0]
+    real = remote_mover.encode_block
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(remote_mover, "encode_block", counting)
+    return calls
+
+
+@need_redis
+def test_blocks_on_disk_are_sent_as_stored(engine, redis_server, monkeypatch):
+    raw = _blocks(6, seed=1)
+    on_disk = _moves(raw, "reuse-")
+    assert engine.store(on_disk).wait(10) and all(m.ok for m in on_disk)
+    calls = _count_encodes(monkeypatch)
+    tier = RemoteTier(redis_server.url, codec="lossless")
+    job = engine.store_remote(tier, _moves(raw, "reuse-"))
+    assert job.wait(10) and all(m.ok for m in job.moves)
+    assert calls[0] == 0  # every block came from the disk tier's blob
+    admin = redis_server.admin()
+    for m in on_disk:
+        blob = engine.disk.read(m.lmdb_key, bytes)
+        assert admin.get(remote_key(FP, m.key)) == blob
+    back = np.zeros_like(raw)
+    moves = [Move(m.lmdb_key, back[i], LAYOUT, FP, m.key) for i, m in enumerate(on_disk)]
+    assert engine.load_remote(tier, moves).wait(10) and all(m.ok for m in moves)
+    assert np.array_equal(back, raw)
+    tier.close()
+
+
+@need_redis
+def test_other_codec_or_absent_from_disk_is_encoded(engine, redis_server, monkeypatch):
+    raw = _blocks(4, seed=2)
+    assert engine.store(_moves(raw[:2], "enc-")).wait(10)
+    calls = _count_encodes(monkeypatch)
+    tier = RemoteTier(redis_server.url, codec="int8")  # the disk holds lossless blobs
+    job = engine.store_remote(tier, _moves(raw, "enc-"))
+    assert job.wait(10) and all(m.ok for m in job.moves)
+    assert calls[0] == 4
+    k = b"enc-0000"
+    want = encode_block(raw[0], layout=LAYOUT, fingerprint=FP, key=k, codec="int8")
+    assert redis_server.admin().get(remote_key(FP, k)) == want
+    tier.codec = "lossless"
+    job = engine.store_remote(tier, _moves(raw, "enc-"))
+    assert job.wait(10) and all(m.ok for m in job.moves)
+    assert calls[0] == 6  # two reused from disk, two not on disk
+    tier.close()
 
 
 @need_redis

@@ -331,12 +331,12 @@ class TransferEngine:
         """Write ``moves`` through to the remote tier (encoded there); the slots stay pinned until done."""
         mover = self._remote_mover(remote)
         return self._remote_job(("host", "remote"), moves, on_done, self._remote_writer, lambda: mover.store(
-            [(m.fingerprint, m.key, m.view) for m in moves], moves[0].layout))
+            [(m.fingerprint, m.key, m.view) for m in moves], moves[0].layout, disk_keys=[m.lmdb_key for m in moves]))
 
     def _remote_mover(self, remote: Any) -> RemoteMover:
         with self._lock:
             if self._remote is None or self._remote.tier is not remote:
-                self._remote = RemoteMover(remote, budgets=self.budgets)
+                self._remote = RemoteMover(remote, budgets=self.budgets, disk=self.disk)
             return self._remote
 
     def _remote_job(self, route: tuple[str, str], moves: list[Move], on_done: Callable[[Job], None] | None,
