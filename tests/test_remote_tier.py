@@ -12,18 +12,12 @@ import redis
 import torch
 
 import tierkv
+from tierkv.cache.policy.admission import admission_for
 from tierkv.codecs import encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
 from tierkv.movers.remote import RemoteMover
-from tierkv.tiers.remote import (
-    RemoteConfig,
-    RemoteTier,
-    make_admission,
-    parse_remote_url,
-    redact_url,
-    remote_key,
-)
+from tierkv.tiers.remote import RemoteConfig, RemoteTier, parse_remote_url, redact_url, remote_key
 
 from . import redis_servers
 from .redis_servers import (
@@ -111,26 +105,24 @@ def test_urls_parse_and_redact():
         remote_key(FP[:8], b"k")
     with pytest.raises(BadRequest):
         remote_key(FP, b"")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="redis connection setting"):
         RemoteTier("redis://h:1", admission="sometimes")
     with pytest.raises(ValueError):
-        RemoteConfig(url="redis://h:1", codec="nope").validate()
+        RemoteConfig(url="redis://h:1", admission="sometimes").validate()
+    with pytest.raises(ValueError, match="remote.codec"):
+        RemoteConfig(url="redis://h:1", codec="nope").validate(["lossless"])
     RemoteConfig(url="redis+cluster://a:1,b:2").validate()
 
 
 def test_admission_modes():
-    t = RemoteTier("redis://127.0.0.1:1/0", admission="reused")
-    assert not t.admit(uses=1) and t.admit(uses=2) and t.admit(uses=1, sharers=2) and t.admit(uses=1, pinned=True)
-    t.admission = "pinned"
-    assert not t.admit(uses=9, sharers=9) and t.admit(uses=1, pinned=True)
-    t.admission = "all"
-    assert t.admit(uses=1)
-    assert t.stats()["admitted"] == 5 and t.stats()["rejected"] == 2
-    a = make_admission("reused")
+    a = admission_for("reused")
     a.seen("x")
     assert not a.admit("x")
     a.seen("x")
-    assert a.admit("x") and make_admission("all").admit("y") and not make_admission("pinned").admit("y", sharers=5)
+    assert a.admit("x") and admission_for("all").admit("y") and not admission_for("pinned").admit("y", sharers=5)
+    assert admission_for("pinned").admit("y", pinned=True)
+    with pytest.raises(ValueError):
+        admission_for("sometimes")
 
 
 def test_nothing_connects_until_used_and_a_dead_remote_is_a_miss():

@@ -14,12 +14,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tierkv.codecs import CodecError, decode_block, encode_block, read_header
 from tierkv.core.errors import BadRequest, TierKVError
 from tierkv.core.layout import Layout
 from tierkv.movers.budget import LinkBudgets
+
+if TYPE_CHECKING:
+    from tierkv.tiers.remote import RemoteTier
 
 __all__ = ["LINK", "DiskBlobs", "RemoteMover"]
 
@@ -37,7 +40,7 @@ class RemoteMover:
     """Blocks between host buffers and one remote tier.
 
     Args:
-        tier: the remote tier (a :class:`~tierkv.tiers.remote.RemoteTier`).
+        tier: the remote tier.
         budgets: link budgets; the ``host<->remote`` bucket paces writes and reads (None: unlimited).
         disk: the disk tier, whose stored blobs are reused when their codec is the remote's (None: never).
         encode_workers: threads that encode writes (started on first use).
@@ -46,7 +49,7 @@ class RemoteMover:
         ValueError: ``encode_workers`` is below 1.
     """
 
-    def __init__(self, tier: Any, *, budgets: LinkBudgets | None = None, disk: DiskBlobs | None = None,
+    def __init__(self, tier: RemoteTier, *, budgets: LinkBudgets | None = None, disk: DiskBlobs | None = None,
                  encode_workers: int = 2) -> None:
         if encode_workers < 1:
             raise ValueError("encode_workers must be >= 1")
