@@ -17,7 +17,7 @@ from tierkv.codecs import encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
 from tierkv.movers.remote import RemoteMover
-from tierkv.tiers.remote import RemoteConfig, RemoteTier, parse_remote_url, redact_url, remote_key
+from tierkv.tiers.remote import RemoteConfig, RemoteTier, remote_key
 
 from . import redis_servers
 from .redis_servers import (
@@ -81,37 +81,20 @@ def wait_state(tier: RemoteTier, want: str, timeout: float = 10.0) -> None:
 # ---- no server needed ----------------------------------------------------------------------------------
 
 
-def test_urls_parse_and_redact():
-    t = parse_remote_url("redis://u:pw@127.0.0.1:6380/2")
-    assert not t.cluster and t.options["host"] == "127.0.0.1" and t.options["db"] == 2
-    assert t.options["username"] == "u" and t.options["password"] == "pw"
-    t = parse_remote_url("unix:///run/redis.sock?db=1")
-    assert t.options["path"] == "/run/redis.sock" and t.options["db"] == 1
-    t = parse_remote_url("rediss://h:7000/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.crt")
-    assert t.options["ssl_ca_certs"] == "/ca.crt"
-    t = parse_remote_url("redis+cluster://u:pw@a:7000,b:7001,[::1]:7002")
-    assert t.cluster and t.seeds == (("a", 7000), ("b", 7001), ("::1", 7002)) and t.options["password"] == "pw"
-    t = parse_remote_url("redis://a:7000", cluster=True)
-    assert t.cluster and t.seeds == (("a", 7000),)
-    for bad in ("http://a:1", "a:1", "redis+cluster://", "redis+cluster://a:7000/3", "redis+cluster://a:b"):
-        with pytest.raises(ValueError):
-            parse_remote_url(bad)
+@pytest.mark.parametrize("kw", [dict(admission="sometimes"), dict(max_batch=0), dict(batch_bytes=0),
+                                dict(max_value_bytes=0), dict(socket_timeout_s=0), dict(backoff_s=-1),
+                                dict(ttl_s=-1), dict(key_prefix=b""), dict(key_prefix=b"{tag}:"),
+                                dict(key_prefix="tierkv:")])
+def test_bad_settings_raise(kw):
     with pytest.raises(ValueError):
-        parse_remote_url("unix:///x.sock", cluster=True)
-    assert redact_url("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
-    assert "secret" not in redact_url("redis+cluster://:secret@a:1,b:2")
-    assert remote_key(FP, b"\x01\xff") == b"tierkv:" + FP.hex().encode() + b":01ff"
-    with pytest.raises(BadRequest):
-        remote_key(FP[:8], b"k")
-    with pytest.raises(BadRequest):
-        remote_key(FP, b"")
-    with pytest.raises(ValueError, match="redis connection setting"):
-        RemoteTier("redis://h:1", admission="sometimes")
-    with pytest.raises(ValueError):
-        RemoteConfig(url="redis://h:1", admission="sometimes").validate()
-    with pytest.raises(ValueError, match="remote.codec"):
-        RemoteConfig(url="redis://h:1", codec="nope").validate(["lossless"])
-    RemoteConfig(url="redis+cluster://a:1,b:2").validate()
+        RemoteTier("redis://127.0.0.1:1/0", **kw)
+
+
+def test_from_config():
+    with pytest.raises(ValueError, match="empty"):
+        RemoteTier.from_config(RemoteConfig())
+    t = RemoteTier.from_config(RemoteConfig(url="redis://u:pw@127.0.0.1:1/0", ttl_s=5, codec="int8"))
+    assert t.url == "redis://u:***@127.0.0.1:1/0" and t.ttl_ms == 5000 and t.codec == "int8"
 
 
 def test_admission_modes():

@@ -49,9 +49,11 @@ def parse_remote_url(url: str, *, cluster: bool = False) -> Target:
     """
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"remote URL must look like redis://host:port, got {url!r}")
-    scheme = url.split("://", 1)[0].lower()
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
     if scheme not in SCHEMES:
         raise ValueError(f"unknown remote URL scheme {scheme!r} ({', '.join(SCHEMES)})")
+    url = f"{scheme}://{rest}"  # schemes are case-insensitive (RFC 3986); redis-py takes lower case only
     if scheme.endswith("+cluster"):
         return _cluster_url(url, scheme)
     opts = _redis_parse(url)
