@@ -1,5 +1,6 @@
-"""The remote mover inside the transfer engine: encodes for the remote tier, reuses the disk tier's blobs,
-paces writes by the host<->remote budget (real redis-server, in-process engine and disk tier)."""
+"""The remote mover: inside the transfer engine against a real redis-server (encodes for the remote tier,
+reuses the disk tier's blobs, paces writes by the host<->remote budget), and over an in-memory tier
+(round trips, corrupt values, a tier that stops taking writes, bad input)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import tierkv
 import tierkv.movers.remote as remote_mover
 from tierkv.codecs import encode_block
+from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
 from tierkv.movers.transfer import Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
@@ -113,3 +115,83 @@ def test_writes_follow_the_budget(engine, redis_server):
     assert link.bytes == sent and link.wait_s > 0
     assert elapsed >= (sent - link.burst) / rate * 0.8, (elapsed, sent)
     tier.close()
+
+
+class FakeTier:
+    """The remote tier's byte interface over a dict (no server): what the mover relies on."""
+
+    def __init__(self, codec: str = "lossless", max_batch: int = 3) -> None:
+        self.codec, self.max_batch = codec, max_batch
+        self.values: dict[tuple[bytes, bytes], bytes] = {}
+        self.up = True
+        self.puts = self.dropped = 0
+        self.corrupt: list[tuple[bytes, bytes]] = []
+        self.down_after: int | None = None  # go read-only after this many puts
+
+    def writable(self) -> bool:
+        return self.up
+
+    def put_many(self, items):
+        for fp, k, blob in items:
+            self.values[(fp, k)] = bytes(blob)
+        self.puts += len(items)
+        if self.down_after is not None and self.puts >= self.down_after:
+            self.up = False
+        return [True] * len(items)
+
+    def count_dropped(self, n: int) -> None:
+        self.dropped += n
+
+    def read_each(self, items, use, *, limit):
+        ok = []
+        for i, item in enumerate(items):
+            v = self.values.get(item)
+            ok.append(v is not None and len(v) <= limit and use(i, memoryview(v)))
+        return ok
+
+    def drop_corrupt(self, items, *, delete=True):
+        self.corrupt += items
+        for item in items:
+            self.values.pop(item, None)
+
+
+def test_mover_round_trip_and_corrupt_values_without_a_server():
+    tier = FakeTier()
+    mover = remote_mover.RemoteMover(tier)
+    raw = _blocks(5, seed=4)
+    ks = [b"f%d" % i for i in range(5)]
+    assert mover.store([(FP, k, raw[i]) for i, k in enumerate(ks)], LAYOUT) == [True] * 5
+    assert mover.encoded == 5 and mover.reused == 0
+    tier.values[(FP, ks[1])] = tier.values[(FP, ks[2])]  # another key's value
+    tier.values[(FP, ks[3])] = b"garbage"
+    out = np.zeros_like(raw)
+    assert mover.fetch([(FP, k) for k in ks], LAYOUT, list(out)) == [True, False, True, False, True]
+    assert np.array_equal(out[[0, 2, 4]], raw[[0, 2, 4]])
+    assert sorted(tier.corrupt) == [(FP, ks[1]), (FP, ks[3])] and (FP, ks[1]) not in tier.values
+    with pytest.raises(BadRequest):
+        mover.fetch([(FP, ks[0])], LAYOUT, [])
+    mover.close()
+
+
+def test_mover_stops_encoding_once_the_tier_refuses_writes():
+    tier = FakeTier(max_batch=2)
+    tier.down_after = 2
+    mover = remote_mover.RemoteMover(tier)
+    raw = _blocks(8, seed=5)
+    ok = mover.store([(FP, b"s%d" % i, raw[i]) for i in range(8)], LAYOUT)
+    assert ok[:2] == [True, True] and not any(ok[4:]) and tier.dropped >= 4
+    assert mover.encoded <= 4  # the batch in flight when the tier went read-only, no more
+    tier.up = False
+    assert mover.store([(FP, b"x", raw[0])], LAYOUT) == [False] and mover.encoded <= 4
+    mover.close()
+
+
+def test_mover_rejects_bad_settings_and_codecs():
+    with pytest.raises(ValueError):
+        remote_mover.RemoteMover(FakeTier(), encode_workers=0)
+    mover = remote_mover.RemoteMover(FakeTier())
+    with pytest.raises(ValueError):
+        mover.store([(FP, b"k", _blocks(1, seed=6)[0])], LAYOUT, codec="nope")
+    with pytest.raises(BadRequest):
+        mover.store([(FP, b"k", b"short")], LAYOUT)
+    mover.close()
