@@ -164,7 +164,8 @@ class BlockTable:
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
                                      budgets={"host<->disk": cfg.budget.host_disk or None,
-                                              "gpu<->host": cfg.budget.gpu_host or None})
+                                              "gpu<->host": cfg.budget.gpu_host or None,
+                                              "host<->remote": cfg.budget.host_remote or None})
         self.gpu = None
         self.gpu_stats = TierCounters()
         self.gpu_policy = make_policy("lru")  # device slots are few and clean once drained: plain recency
@@ -1418,6 +1419,7 @@ class BlockTable:
             self.engine.level = new.disk.codec_level
             self.engine.budgets.set_rate("host<->disk", new.budget.host_disk or None)
             self.engine.budgets.set_rate("gpu<->host", new.budget.gpu_host or None)
+            self.engine.budgets.set_rate("host<->remote", new.budget.host_remote or None)
         self._kick_evictor(force=self.host.used_bytes > new.host.high_watermark * self.host_limit)
         if self.disk is not None and self.disk_used > new.disk.high_watermark * new.disk.capacity:
             self.engine.store([])  # an empty job runs make_room: the disk shrinks to its new size

@@ -59,3 +59,22 @@ class Admission:
     def update(self, **settings: Any) -> None:
         """Change settings; a bad key or value raises ``ValueError`` and changes nothing."""
         self._settings = checked_settings(self.SETTINGS, self._settings, settings, "admission")
+
+
+def admission_for(mode: str = "reused", history: History | None = None) -> Admission:
+    """The :class:`Admission` of a write-through mode (``remote.admission``), for the simulator and for
+    callers that keep use counts in a History.
+
+    ``all``: every block; ``reused``: blocks used at least twice, shared by two holders, or pinned;
+    ``pinned``: pinned blocks only.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode == "all":
+        return Admission(history, enabled=False)
+    if mode == "reused":
+        return Admission(history)
+    if mode == "pinned":
+        return Admission(history, min_seen=1 << 62, min_sharers=1 << 62)
+    raise ValueError(f"admission mode must be one of all, reused, pinned, got {mode!r}")
