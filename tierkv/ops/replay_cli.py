@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -219,19 +220,11 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
     time to first token, for every policy at every capacity, next to Belady's OPT.
     """
     try:
-        names = _split(policies)
-        if not names:
-            raise click.BadParameter("name at least one policy", param_hint="--policy")
-        known = [*policy_names(oracles=True), "default"]
-        for n in names:
-            if n not in known:
-                raise click.BadParameter(f"unknown policy {n!r} (known: {', '.join(known)})", param_hint="--policy")
-        caps = _split(capacities)
+        names, caps = _check_names(policies), _split(capacities)
         if not caps:
             raise click.BadParameter("name at least one capacity", param_hint="--capacity")
         for c in caps + ([disk_capacity] if disk_capacity else []):
             parse_capacity(c, 1)
-        psettings = _policy_settings(sets)
         tiers = [TierSpec("host", caps[0], read_bytes_per_s=parse_rate(host_bw))]
         if disk_capacity:
             tiers.append(TierSpec("disk", disk_capacity, read_bytes_per_s=parse_rate(disk_bw),
@@ -242,7 +235,7 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         daemon = daemon_config(config_path)
         config = ReplayConfig(tiers=tiers, page_tokens=page_tokens, trace_block_tokens=trace_block_tokens,
                               kv_bytes_per_token=kv_bytes_per_token, prefill_tokens_per_s=prefill_rate,
-                              attn_double_tokens=attn_double_tokens, policy_settings=psettings)
+                              attn_double_tokens=attn_double_tokens, policy_settings=_policy_settings(sets))
         requests = load_trace(trace)
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -252,28 +245,13 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         raise click.ClickException(f"{trace.name}: no requests")
     workload = Workload(requests, page_tokens, trace_block_tokens)
 
+    def configure(name: str, cfg: ReplayConfig) -> ReplayConfig:
+        return tiers_for(name, cfg, daemon, admission)
+
     if advise:
-        prof = profile(workload, config)
-        rec = prof["recommended"]
-        adv = advise_admission(workload, config, rec["host_bytes"], rec["disk_bytes"],
-                               lambda name, cfg: tiers_for(name, cfg, daemon, admission))
-        rec["admission"], rec["admission_why"], rec["admission_runs"] = adv["admission"], adv["why"], adv["runs"]
-        rec["opt"] = adv["opt"]
-        if as_json:
-            click.echo(json.dumps(prof, indent=2))
-        else:
-            _print_profile(prof)
+        _advise(workload, config, configure, as_json)
         return
-
-    from tierkv.ops.progress import bar
-
-    runs = len(caps) * len(dict.fromkeys([*names, "opt"]))
-    with bar(runs, f"replaying {len(requests):,} requests") as advance:
-        def progress(r: ReplayResult) -> None:
-            advance(1, f"{r.policy} @ {r.capacity}: {r.token_hit_rate * 100:.2f}%")
-
-        results = sweep(workload, names, caps, config, progress=progress,
-                        per_policy=lambda name, cfg: tiers_for(name, cfg, daemon, admission))
+    results = _sweep(workload, names, caps, config, configure)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:
@@ -284,6 +262,47 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         _plot(results, plot_path)
         if not as_json:
             click.echo(f"plot written to {plot_path}")
+
+
+def _check_names(policies: str) -> list[str]:
+    """The ``--policy`` names, each a registered policy, ``opt`` or ``default``."""
+    names = _split(policies)
+    if not names:
+        raise click.BadParameter("name at least one policy", param_hint="--policy")
+    known = [*policy_names(oracles=True), "default"]
+    for n in names:
+        if n not in known:
+            raise click.BadParameter(f"unknown policy {n!r} (known: {', '.join(known)})", param_hint="--policy")
+    return names
+
+
+Configure = Callable[[str, ReplayConfig], ReplayConfig]
+
+
+def _advise(workload: Workload, config: ReplayConfig, configure: Configure, as_json: bool) -> None:
+    """Print the request profile, recommended sizes and the admission advice."""
+    prof = profile(workload, config)
+    rec = prof["recommended"]
+    adv = advise_admission(workload, config, rec["host_bytes"], rec["disk_bytes"], configure)
+    rec["admission"], rec["admission_why"], rec["admission_runs"] = adv["admission"], adv["why"], adv["runs"]
+    rec["opt"] = adv["opt"]
+    if as_json:
+        click.echo(json.dumps(prof, indent=2))
+    else:
+        _print_profile(prof)
+
+
+def _sweep(workload: Workload, names: list[str], caps: list[str], config: ReplayConfig,
+           configure: Configure) -> list[ReplayResult]:
+    """Every policy at every capacity, with a progress bar."""
+    from tierkv.ops.progress import bar
+
+    runs = len(caps) * len(dict.fromkeys([*names, "opt"]))
+    with bar(runs, f"replaying {len(workload.requests):,} requests") as advance:
+        def progress(r: ReplayResult) -> None:
+            advance(1, f"{r.policy} @ {r.capacity}: {r.token_hit_rate * 100:.2f}%")
+
+        return sweep(workload, names, caps, config, progress=progress, per_policy=configure)
 
 
 if __name__ == "__main__":

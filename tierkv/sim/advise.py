@@ -12,7 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from tierkv.sim.replay import ReplayConfig, ReplayResult, TierSpec, Workload, fmt_bytes, replay
+from tierkv.sim.config import ReplayConfig, TierSpec
+from tierkv.sim.result import ReplayResult
+from tierkv.sim.simulator import replay
+from tierkv.sim.units import fmt_bytes
+from tierkv.sim.workload import Workload
 
 
 def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, disk_bytes: int,
