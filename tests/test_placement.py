@@ -97,7 +97,7 @@ def test_reuse_model_tails_extension_and_bounds():
     m.requested(["a", "b"], 0.0)
     m.request_finished(["a", "b"], 1.0)
     tail_cls = m.block_class("b", 2.0)
-    m.requested(["a", "b", "c"], 3.0)  # the next turn extends the chain: "b" is no longer its tail
+    m.requested(["a", "b", "c"], 3.0)  # the next turn extends the chain: "b" is not its tail
     assert m.block_class("b", 4.0) != tail_cls and m.uses("b") == 2 and m.depth("c") == 2
     assert m.block_class("c", 3.0 + 601.0) != m.block_class("c", 4.0)  # a chain idle past the TTL
     for i in range(100):
