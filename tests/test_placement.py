@@ -41,6 +41,22 @@ def test_store_overflow_reaches_disk_so_every_block_is_found(daemon_factory):
             assert torch.equal(c.get(keys[i:i + 24]).view(torch.int16), blocks[i:i + 24].view(torch.int16))
 
 
+def test_disk_evicts_chains_from_the_tail(daemon_factory):
+    """The disk tier knows each block's chain: when it fills, stored chains lose their tails first, so
+    every chain keeps a cached prefix (a block whose prefix is gone can never be a hit)."""
+    d = daemon_factory(["--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--disk-capacity", "2MiB"])
+    with d.client() as c:  # 8 KiB blocks: 128 host slots, about 240 blocks on disk
+        chains = [keys_for(c, 24, seed=100 + i) for i in range(14)]
+        for i, keys in enumerate(chains):
+            c.put(keys, rand_blocks(24, seed=100 + i))
+            if i < 7:
+                c.get(keys)  # a use of the whole chain: deeper blocks cost more to recompute
+        assert c.stats()["tiers"]["disk"]["evictions"] > 0
+        for keys in chains:
+            held = [c.lookup([k]) for k in keys]
+            assert held == sorted(held, reverse=True), f"a chain lost a block before its tail: {held}"
+
+
 def test_request_finished_reaches_the_placement_rule(daemon):
     with daemon.client() as c:
         keys = keys_for(c, 6, seed=15)
