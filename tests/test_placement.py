@@ -194,6 +194,19 @@ def test_replay_policy_default_runs_configs_default_toml(tmp_path):
         assert key in row
 
 
+def test_replay_reads_the_repository_default_toml(tmp_path, monkeypatch):
+    """``--policy default`` without ``--config`` reads configs/default.toml itself, not the built-in
+    defaults: a setting changed there reaches the replay."""
+    from tierkv.ops import replay_cli
+
+    assert replay_cli.DEFAULT_CONFIG == REPO / "configs" / "default.toml"
+    assert replay_cli.DEFAULT_CONFIG.is_file()
+    text = replay_cli.DEFAULT_CONFIG.read_text().replace('admission = "predicted"', 'admission = "reused"')
+    (tmp_path / "default.toml").write_text(text)
+    monkeypatch.setattr(replay_cli, "DEFAULT_CONFIG", tmp_path / "default.toml")
+    assert replay_cli.daemon_config(None).disk.admission == "reused"
+
+
 def test_store_burst_under_the_default_evicts_clean_blocks(daemon_factory):
     """Write-behind under the default rule: blocks are written while the disk is idle, so a burst
     past the host capacity evicts clean blocks and never waits for a write."""
