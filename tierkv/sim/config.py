@@ -26,6 +26,9 @@ class TierSpec:
         inclusive: a page read from this tier keeps its copy here (the daemon's disk tier does);
             otherwise it moves up and is written again when it is evicted.
         policy: this tier's eviction policy, instead of the one the run names.
+        write_bytes_per_s: bandwidth of writing blocks into this tier, in stored bytes per second;
+            while its writer has nothing queued every victim is written (the admission rule is told
+            the writer has spare bandwidth). 0: not modelled, the rule decides every victim.
     """
 
     name: str
@@ -36,8 +39,11 @@ class TierSpec:
     admission: bool | str = False
     inclusive: bool = False
     policy: str | None = None
+    write_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.write_bytes_per_s >= 0:
+            raise ValueError(f"tier {self.name}: write_bytes_per_s must be >= 0, got {self.write_bytes_per_s!r}")
         if self.admission_mode not in MODES:
             raise ValueError(f"tier {self.name}: admission must be one of {', '.join(MODES)}, "
                              f"got {self.admission!r}")

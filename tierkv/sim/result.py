@@ -10,7 +10,8 @@ from typing import Any
 
 @dataclass
 class ReplayResult:
-    """Figures of one (policy, capacity) run. Rates are fractions of all prompt tokens."""
+    """Figures of one (policy, capacity) run. Rates are fractions of all prompt tokens; ``wall_s`` is
+    elapsed time and ``cpu_s`` the process's CPU time (the figure to compare on a shared machine)."""
 
     policy: str
     capacity: str
@@ -28,6 +29,7 @@ class ReplayResult:
     ttft_recompute_p50_s: float
     ttft_recompute_p99_s: float
     wall_s: float
+    cpu_s: float = 0.0
     placement: str = ""
     admission: str = ""
 

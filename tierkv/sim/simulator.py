@@ -77,6 +77,7 @@ class Simulator:
                              "them from configs/default.toml)")
         self.policies = [self._make_policy(name, i) for i, name in enumerate(names)]
         self.parent_of: dict[int, int] = {}  # page -> previous page of its prefix
+        self._writer_free = [0.0] * len(config.tiers)  # trace time each tier's writer is done
         self._hit_tok = 0
         self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
         self._signals: list[Any] = [r for r in self.rules if r is not None]
@@ -142,7 +143,7 @@ class Simulator:
 
     def run(self, capacity_label: str | None = None) -> ReplayResult:
         """Replay the whole workload and return its figures."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         w, cfg, clock = self.w, self.config, self.clock
         tiers = cfg.tiers
         stack = self.stack = TierStack([t.name for t in tiers], self.caps, self.sizes,
@@ -176,7 +177,8 @@ class Simulator:
             bytes_moved=stack.c.moved, disk_writes_bytes=stack.c.disk_writes, dropped_bytes=stack.c.dropped_bytes,
             ttft_mean_s=sum(ttft) / max(len(ttft), 1), ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
             ttft_recompute_p50_s=percentile(ttft_ref, 0.5), ttft_recompute_p99_s=percentile(ttft_ref, 0.99),
-            wall_s=time.perf_counter() - t0, placement=self.placement_name, admission=self.admission_name)
+            wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0, placement=self.placement_name,
+            admission=self.admission_name)
 
     def _serve(self, pages: list[int], toks: list[int], hit_tokens: list[int]) -> list[int]:
         """One request: count its prefix hits, promote cached pages and insert the rest into tier 0.
@@ -196,11 +198,10 @@ class Simulator:
         for j in range(1, n):
             self.parent_of[pages[j]] = pages[j - 1]
         incoming: list[int] = []
-        pol0 = self.policies[0]
         for p in pages:
             t = stack.fastest(p)
             if t == 0:
-                pol0.on_access(p)
+                stack.use(p)
                 continue
             if t is not None:
                 stack.promote(p, t)
@@ -223,9 +224,14 @@ class Simulator:
             self.host_reuse.left(page, self.clock.now, len(self.policies[0]))
 
     def _admit(self, page: int, tier: int) -> bool:
-        """Whether a victim of tier ``tier - 1`` is written into ``tier``."""
-        rule = self.rules[tier]
-        return rule is None or rule.admit(page, self.clock.now)
+        """Whether a victim of tier ``tier - 1`` is written into ``tier``: the rule decides, told whether
+        the tier's writer has spare bandwidth (nothing queued), as the daemon's writer tells it."""
+        rule, now = self.rules[tier], self.clock.now
+        bw = self.config.tiers[tier].write_bytes_per_s
+        ok = rule is None or rule.admit(page, now, spare=bw > 0 and self._writer_free[tier] <= now)
+        if ok and bw > 0:
+            self._writer_free[tier] = max(self._writer_free[tier], now) + self.sizes[tier] / bw
+        return ok
 
 
 def replay(workload: Workload, policy: str, config: ReplayConfig,
