@@ -19,7 +19,7 @@ from tierkv.daemon.config import Config
 from tierkv.ops.replay_cli import replay as replay_cmd
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
 
-from .helpers import PAGE, REPO, keys_for, line, rand_blocks
+from .helpers import PAGE, REPO, keys_for, line, rand_blocks, wait_for
 
 MIB_LAYOUT = tierkv.Layout(8, 8, 128, 32, "bfloat16")  # 1 MiB blocks
 
@@ -44,14 +44,15 @@ def test_store_overflow_reaches_disk_so_every_block_is_found(daemon_factory):
 def test_disk_evicts_chains_from_the_tail(daemon_factory):
     """The disk tier knows each block's chain: when it fills, stored chains lose their tails first, so
     every chain keeps a cached prefix (a block whose prefix is gone can never be a hit)."""
-    d = daemon_factory(["--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--disk-capacity", "2MiB"])
+    d = daemon_factory(["--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--disk-capacity", "2MiB"],
+                       env={"TIERKV_DISK_ADMISSION": "all"})  # every host victim is written
     with d.client() as c:  # 8 KiB blocks: 128 host slots, about 240 blocks on disk
         chains = [keys_for(c, 24, seed=100 + i) for i in range(14)]
         for i, keys in enumerate(chains):
             c.put(keys, rand_blocks(24, seed=100 + i))
             if i < 7:
                 c.get(keys)  # a use of the whole chain: deeper blocks cost more to recompute
-        assert c.stats()["tiers"]["disk"]["evictions"] > 0
+        assert wait_for(lambda: c.stats()["tiers"]["disk"]["evictions"] > 0, timeout=30)
         for keys in chains:
             held = [c.lookup([k]) for k in keys]
             assert held == sorted(held, reverse=True), f"a chain lost a block before its tail: {held}"
