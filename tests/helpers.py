@@ -260,3 +260,24 @@ PAGE = 512  # kv_bytes_per_token=1 below, so one 512-token page is 512 bytes
 
 def line(ts_ms, n_in, ids, n_out=1):
     return json.dumps({"timestamp": ts_ms, "input_length": n_in, "output_length": n_out, "hash_ids": ids})
+
+
+class FakeClock:
+    """A clock the test moves by hand (``clock.now += dt``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build_policy(name: str, clock: FakeClock | None = None, future: dict | None = None, **settings: Any):
+    """A registered policy on a fake clock; ``opt`` reads next uses from ``future`` (default: never)."""
+    from tierkv.cache.policy import make_policy
+
+    clock = clock or FakeClock()
+    if name == "opt":
+        future = future if future is not None else {}
+        return make_policy(name, clock=clock, next_use=lambda k: future.get(k, float("inf")), **settings)
+    return make_policy(name, clock=clock, **settings)

@@ -1,9 +1,11 @@
 """Admission to a cold tier: write a block only if it is likely to be read again.
 
 Each write to NVMe costs bandwidth and endurance, and most blocks of one-shot prompts are never
-read again. The rule (TinyLFU's idea, algorithms.md A3): admit a block seen at least ``min_seen``
-times, shared by at least ``min_sharers`` holders, or pinned. The daemon and the simulator both use
-this class; the counts come from a :class:`~tierkv.cache.policy.history.History` shared with the policies.
+read again. The rule (TinyLFU's idea): admit a block seen at least ``min_seen``
+times, shared by at least ``min_sharers`` holders, or pinned. The counts come from a
+:class:`~tierkv.cache.policy.history.History` shared with the policies. This is a rule by past use,
+for write-through to the remote tier; the disk tier's rule, by predicted reuse, is
+:class:`~tierkv.cache.policy.placement.Placement`.
 """
 
 from __future__ import annotations
