@@ -86,3 +86,11 @@ def test_every_package_data_pattern_matches_a_file():
     missing = [f"{pkg}: {pattern}" for pkg, patterns in data.items() for pattern in patterns
                if not any(p.is_file() for p in (REPO / pkg.replace(".", "/")).glob(pattern))]
     assert missing == [], f"package-data patterns that match no file: {missing}"
+
+
+def test_paths_into_the_repository_resolve():
+    # Modules that read files of the checkout name them relative to their own place in the package.
+    from tierkv.ops import mainjob, replay_cli
+
+    assert mainjob.CONFIG.is_file(), mainjob.CONFIG
+    assert replay_cli.DEFAULT_CONFIG.is_file(), replay_cli.DEFAULT_CONFIG
