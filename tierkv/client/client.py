@@ -119,9 +119,14 @@ DURABLE_FIRST_CHUNK_BYTES = 4 << 20
 DURABLE_CHUNK_BYTES = 32 << 20
 
 
-def _durable_chunks(n: int, block_bytes: int) -> list[tuple[int, int]]:
-    """(lo, hi) ranges of a streamed durable put of ``n`` blocks: doubling from the first chunk size."""
+def _durable_chunks(n: int, block_bytes: int, host_bytes: int | None = None) -> list[tuple[int, int]]:
+    """(lo, hi) ranges of a streamed durable put of ``n`` blocks: doubling from the first chunk size.
+
+    With ``host_bytes`` (the host tier's capacity) a chunk is at most a quarter of it, so a put larger
+    than the host tier streams through it while earlier chunks are still being written."""
     top = max(1, DURABLE_CHUNK_BYTES // block_bytes)
+    if host_bytes is not None:
+        top = min(top, max(1, host_bytes // 4 // _slot_bytes(block_bytes)))
     size = min(top, max(1, DURABLE_FIRST_CHUNK_BYTES // block_bytes))
     out, lo = [], 0
     while lo < n:
@@ -132,6 +137,11 @@ def _durable_chunks(n: int, block_bytes: int) -> list[tuple[int, int]]:
     if len(out) > 1 and out[-1][1] - out[-1][0] <= first:  # a tail no longer than the first chunk rides along
         out[-2:] = [(out[-2][0], n)]
     return out
+
+
+def _slot_bytes(block_bytes: int) -> int:
+    """Host slot bytes of a block: the daemon rounds slots up to 4 KiB pages."""
+    return -(-block_bytes // 4096) * 4096
 
 
 class Client:
@@ -155,6 +165,7 @@ class Client:
         finally:
             os.close(pool_fd)  # the mapping keeps the memory alive
         self._pool = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._pool_bytes = pool_bytes
         self._gpu = None
         if gpu is not None:
             from tierkv.tiers.gpu import ClientDevicePool
@@ -323,7 +334,7 @@ class Client:
         src = self._check_blocks(blocks, len(keys))
         if not keys:
             return 0
-        chunks = _durable_chunks(len(keys), self.layout.block_bytes) if durable else []
+        chunks = _durable_chunks(len(keys), self.layout.block_bytes, self._pool_bytes) if durable else []
         if len(chunks) <= 1:
             return self._put_host(keys, src, durable, True)
         # A large durable put streams: each chunk's disk write is queued at its commit, and the copy of
