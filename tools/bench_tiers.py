@@ -17,9 +17,12 @@
 (e) lookup latency p50/p99 for 64-key batches with 1 and 8 concurrent client processes, back-to-back and
     paced, beside two references in the same client processes, alternating phase by phase: a bare echo
     server (the transport) and the same LOOKUP written as plainly as Python allows (msgpack both ways, a
-    64-key dict walk; thread per connection like the daemon).
+    64-key dict walk; thread per connection like the daemon);
+(f) the plain API as a user first calls it: put(keys, t), get(keys), get(keys, out=warm), 256 MiB in
+    64 MiB batches, each beside the torch copy of the same bytes (tools/_bench_api.py).
 
-Usage: python tools/bench_tiers.py [--reps 5] [--json bench-results/bench_tiers.json] [--only host,disk,lookup]
+Usage: python tools/bench_tiers.py [--reps 5] [--json bench-results/bench_tiers.json] [--only host,api,disk,lookup]
+(--only api: the plain-API rows (f) alone, in about a minute)
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _benchd import Daemon  # noqa: E402  (tools/ is the script's directory)
+from _bench_api import api_bench, report_api  # noqa: E402  (tools/ is the script's directory)
+from _benchd import Daemon  # noqa: E402
 
 import tierkv  # noqa: E402
 from tierkv.movers.transfer import LOAD_THREADS  # noqa: E402
@@ -620,10 +624,11 @@ def main() -> None:
     ap.add_argument("--json", default="bench-results/bench_tiers.json")
     ap.add_argument("--dir", default=None, help="where the data dirs go (default: a temp dir under ./.tierkv)")
     ap.add_argument("--codecs", default="lossless,raw")
-    ap.add_argument("--only", default="host,disk,lookup",
-                    help="comma-separated parts to run: host (a, b), disk (c, d), lookup (e)")
+    ap.add_argument("--only", default="host,api,disk,lookup",
+                    help="comma-separated parts to run: host (a, b), api (f), disk (c, d), lookup (e)")
     args = ap.parse_args()
     parts = set(args.only.split(","))
+    user_threads = torch.get_num_threads()  # the API rows run as a user's process does
     torch.set_num_threads(1)
     base = Path(args.dir or ".tierkv")
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -638,6 +643,9 @@ def main() -> None:
             print("memcpy done", flush=True)
             res["host"] = host_bench(tmp, blocks, args.reps)
             print("host done", flush=True)
+        if "api" in parts:
+            res["api"] = api_bench(tmp, blocks, args.reps, user_threads)
+            print("api done", flush=True)
         if "disk" in parts:
             res["dd"] = dd_ref(tmp, args.reps)
             res["lmdb"] = lmdb_ref(tmp, args.reps)
@@ -655,6 +663,8 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report(res)
+    if "api" in res:
+        report_api(res["api"])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2))
     print(f"wrote {args.json}")
