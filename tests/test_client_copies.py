@@ -127,7 +127,7 @@ def test_copy_pairs_works_in_a_forked_child(monkeypatch):
     torch.set_num_threads(2)
     try:
         src = [np.full(1 << 14, i, np.uint8) for i in range(4)]
-        copies.copy_pairs([(np.zeros_like(s), s) for s in src])  # the parent's executor exists now
+        copies.copy_pairs([(np.zeros_like(s), s) for s in src])  # the parent has made its executor
         pid = os.fork()
         if pid == 0:  # the child: exit 0 only if the copy finishes (within 30 s) and is right
             signal.alarm(30)

@@ -25,6 +25,7 @@ from tierkv.codecs import CodecError, decode_block, encode_block
 from tierkv.core.errors import TierKVError
 from tierkv.core.layout import Layout
 from tierkv.movers.budget import LinkBudgets
+from tierkv.movers.remote import RemoteMover
 from tierkv.movers.streams import Copy
 from tierkv.tiers.disk import DiskError, DiskTier
 
@@ -92,6 +93,7 @@ class TransferEngine:
         self._decode = ThreadPoolExecutor(max(workers, LOAD_THREADS), thread_name_prefix="tierkv-decode")
         # one writer keeps remote write-through in commit order and off the load path
         self._remote_writer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-remote-writer")
+        self._remote: RemoteMover | None = None
         self._stores: queue.Queue[Job | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
@@ -321,13 +323,21 @@ class TransferEngine:
     # ---- remote: host <-> remote ---------------------------------------------------------------------
     def load_remote(self, remote: Any, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
         """Fetch, verify and decode ``moves`` from the remote tier into their host slots (one batch)."""
-        return self._remote_job(("remote", "host"), moves, on_done, self._decode, lambda: remote.fetch_verified(
+        mover = self._remote_mover(remote)
+        return self._remote_job(("remote", "host"), moves, on_done, self._decode, lambda: mover.fetch(
             [(m.fingerprint, m.key) for m in moves], moves[0].layout, [m.view for m in moves]))
 
     def store_remote(self, remote: Any, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
         """Write ``moves`` through to the remote tier (encoded there); the slots stay pinned until done."""
-        return self._remote_job(("host", "remote"), moves, on_done, self._remote_writer, lambda: remote.store_blocks(
-            [(m.fingerprint, m.key, m.view) for m in moves], moves[0].layout))
+        mover = self._remote_mover(remote)
+        return self._remote_job(("host", "remote"), moves, on_done, self._remote_writer, lambda: mover.store(
+            [(m.fingerprint, m.key, m.view) for m in moves], moves[0].layout, disk_keys=[m.lmdb_key for m in moves]))
+
+    def _remote_mover(self, remote: Any) -> RemoteMover:
+        with self._lock:
+            if self._remote is None or self._remote.tier is not remote:
+                self._remote = RemoteMover(remote, budgets=self.budgets, disk=self.disk)
+            return self._remote
 
     def _remote_job(self, route: tuple[str, str], moves: list[Move], on_done: Callable[[Job], None] | None,
                     pool: ThreadPoolExecutor, call: Callable[[], list[bool]]) -> Job:
@@ -339,8 +349,7 @@ class TransferEngine:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                with self.budgets.transfer("host<->remote", sum(m.view.nbytes for m in moves)):
-                    oks = call()
+                oks = call()  # the mover admits each block through the host<->remote budget
                 for m, ok in zip(moves, oks):
                     m.ok = bool(ok)
             except Exception as exc:  # anything unexpected is still only a miss or a dropped write
@@ -433,5 +442,7 @@ class TransferEngine:
         self._stores.put(None)
         self._writer.join(timeout)
         self._remote_writer.shutdown(wait=True)
+        if self._remote is not None:
+            self._remote.close()
         self._encode.shutdown(wait=True)
         self._decode.shutdown(wait=True)
