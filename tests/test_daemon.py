@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tierkv
-import tierkv.client.client
+import tierkv.client.durable
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest, KeyMissing, ProtocolError, TierKVError
 
@@ -162,12 +162,12 @@ def test_durable_survives_kill9(daemon):
 def test_large_durable_put_streams_in_chunks_and_survives_kill9(daemon, monkeypatch):
     """A durable put larger than a chunk commits chunk by chunk without waiting (the next copy overlaps
     the disk write), then one SYNC waits for all: acknowledged means on disk."""
-    monkeypatch.setattr(tierkv.client.client, "DURABLE_CHUNK_BYTES", 4 * SMALL.block_bytes)
+    monkeypatch.setattr(tierkv.client.durable, "DURABLE_CHUNK_BYTES", 4 * SMALL.block_bytes)
     with daemon.client() as c:
         keys, blocks = keys_for(c, 30, seed=40), rand_blocks(30, seed=40)
         before = c.stats()["requests"]
         assert c.put(keys, blocks, durable=True) == 30
-        chunks = tierkv.client.client._durable_chunks(30, SMALL.block_bytes)
+        chunks = tierkv.client.durable.durable_chunks(30, SMALL.block_bytes)
         assert len(chunks) == 7  # 4 blocks a chunk; the 2-block tail rides with the last
         assert c.stats()["requests"] - before == len(chunks) * 2 + 1 + 1  # ALLOC + COMMIT per chunk, SYNC, stats
         assert c.put(keys, blocks, durable=True) == 0  # cached already: still made durable, nothing new
@@ -181,7 +181,7 @@ def test_large_durable_put_streams_in_chunks_and_survives_kill9(daemon, monkeypa
 
 
 def test_streamed_durable_put_failure_is_reported_once(daemon_factory, monkeypatch):
-    monkeypatch.setattr(tierkv.client.client, "DURABLE_CHUNK_BYTES", 2 * SMALL.block_bytes)
+    monkeypatch.setattr(tierkv.client.durable, "DURABLE_CHUNK_BYTES", 2 * SMALL.block_bytes)
     d = daemon_factory(env={"TIERKV_FAULTS": "write:EIO"})
     with d.client() as c:
         keys, blocks = keys_for(c, 7, seed=41), rand_blocks(7, seed=41)

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tierkv.client.client
-from tierkv.client.client import _durable_chunks
+import tierkv.client.durable
+from tierkv.client.durable import durable_chunks as _durable_chunks
 from tierkv.codecs import decode_block
 from tierkv.core.layout import Layout
 from tierkv.movers.transfer import Job, Move, TransferEngine
@@ -146,14 +146,14 @@ def test_the_writeback_kick_runs_only_during_commits(tmp_path: Path) -> None:
 
 
 def test_streamed_durable_put_chunks_grow_and_cover_every_block(monkeypatch) -> None:
-    monkeypatch.setattr(tierkv.client.client, "DURABLE_FIRST_CHUNK_BYTES", 4 << 20)
-    monkeypatch.setattr(tierkv.client.client, "DURABLE_CHUNK_BYTES", 32 << 20)
+    monkeypatch.setattr(tierkv.client.durable, "DURABLE_FIRST_CHUNK_BYTES", 4 << 20)
+    monkeypatch.setattr(tierkv.client.durable, "DURABLE_CHUNK_BYTES", 32 << 20)
     mib2 = 2 << 20
     assert _durable_chunks(64, mib2) == [(0, 2), (2, 6), (6, 14), (14, 30), (30, 46), (46, 64)]
     assert _durable_chunks(2, mib2) == [(0, 2)]
     assert _durable_chunks(4, mib2) == [(0, 4)]  # a tail no longer than the first chunk rides along
     assert _durable_chunks(1, 64 << 20) == [(0, 1)]  # a block larger than a chunk is one chunk
-    monkeypatch.setattr(tierkv.client.client, "DURABLE_CHUNK_BYTES", 4 * 8192)  # first chunk capped by the chunk
+    monkeypatch.setattr(tierkv.client.durable, "DURABLE_CHUNK_BYTES", 4 * 8192)  # first chunk capped by the chunk
     assert _durable_chunks(30, 8192) == [(lo, min(30, lo + 4)) for lo in range(0, 28, 4)][:-1] + [(24, 30)]
     for n in range(1, 200):
         chunks = _durable_chunks(n, mib2)

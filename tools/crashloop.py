@@ -247,7 +247,7 @@ def main() -> int:
     args = parse_args()
     layout = LARGE if args.large else SMALL
     if args.chunk_blocks:
-        importlib.import_module("tierkv.client.client").DURABLE_CHUNK_BYTES = args.chunk_blocks * layout.block_bytes
+        importlib.import_module("tierkv.client.durable").DURABLE_CHUNK_BYTES = args.chunk_blocks * layout.block_bytes
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="tierkv-crashloop-"))
     d = Daemon(work, ["--host-capacity", "256MiB", "--disk-capacity", "4GiB", "--slab-bytes", "8MiB"])

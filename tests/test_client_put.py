@@ -1,0 +1,49 @@
+"""Client.put and Client.get against a real daemon: sizes around the host tier's capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import SMALL, keys_for, rand_blocks
+from tierkv.core.errors import BadRequest
+
+HOST = 4 << 20  # the host tier of these tests: 512 blocks of SMALL
+
+
+def _small_host(daemon_factory):
+    return daemon_factory(["--host-capacity", "4MiB", "--slab-bytes", "1MiB"])
+
+
+def test_durable_put_larger_than_the_host_tier_streams_to_disk(daemon_factory):
+    d = _small_host(daemon_factory)
+    n = 3 * HOST // SMALL.block_bytes
+    with d.client() as c:
+        keys, blocks = keys_for(c, n, seed=3), rand_blocks(n, seed=3)
+        assert c.put(keys, blocks, durable=True) == n
+        assert c.stats()["tiers"]["disk"]["blocks"] == n
+        for lo in range(0, n, 128):  # read back in batches the host tier holds
+            got = c.get(keys[lo:lo + 128])
+            assert torch.equal(got.view(torch.int16), blocks[lo:lo + 128].view(torch.int16))
+
+
+def test_durable_put_below_the_first_chunk_but_above_the_host_tier(daemon_factory):
+    d = daemon_factory(["--host-capacity", "2MiB", "--slab-bytes", "1MiB"])
+    n = (3 << 20) // SMALL.block_bytes  # 3 MiB: one chunk by size, more than the host tier holds
+    with d.client() as c:
+        keys, blocks = keys_for(c, n, seed=4), rand_blocks(n, seed=4)
+        assert c.put(keys, blocks, durable=True) == n
+        assert torch.equal(c.get(keys[-64:]).view(torch.int16), blocks[-64:].view(torch.int16))
+
+
+def test_plain_put_larger_than_the_host_tier_is_a_clear_error(daemon_factory):
+    d = _small_host(daemon_factory)
+    n = 2 * HOST // SMALL.block_bytes
+    with d.client() as c:
+        keys = keys_for(c, n, seed=5)
+        with pytest.raises(BadRequest, match="exceed the host tier"):
+            c.put(keys, rand_blocks(n, seed=5))
+        assert c.lookup(keys) == 0
+        small = keys_for(c, 4, seed=6)
+        assert c.put(small, rand_blocks(4, seed=6)) == 4  # the connection is still usable
+        assert torch.equal(c.get(small).view(torch.int16), rand_blocks(4, seed=6).view(torch.int16))

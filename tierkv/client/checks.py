@@ -1,0 +1,69 @@
+"""Checks of what a caller passes to the client: keys, block tensors, output tensors.
+
+Each raises :class:`~tierkv.core.errors.BadRequest` naming the problem before anything is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierkv.core.errors import BadRequest
+from tierkv.core.layout import Layout, numpy_view_dtype
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``keys`` as a list of distinct 1..128-byte keys."""
+    if isinstance(keys, bytes | str):
+        raise BadRequest("keys must be a sequence of bytes keys, not a single key")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, bytes) or not (1 <= len(k) <= 128):
+            raise BadRequest("each key must be 1..128 bytes")
+    if len(set(out)) != len(out):
+        raise BadRequest("keys contain duplicates")
+    return out
+
+
+def check_blocks(layout: Layout, blocks: torch.Tensor | np.ndarray, n: int, device: str = "cpu") -> torch.Tensor:
+    """``blocks`` as a contiguous tensor of ``n`` blocks of ``layout`` on ``device``."""
+    shape = layout.batch_shape(n)
+    if isinstance(blocks, np.ndarray):
+        want = numpy_view_dtype(layout.dtype)
+        if blocks.dtype != want:
+            raise BadRequest(f"blocks dtype {blocks.dtype} does not match the layout ({layout.dtype}"
+                             f"{', as raw uint16 in numpy' if layout.dtype == 'bfloat16' else ''})")
+        t = torch.from_numpy(np.ascontiguousarray(blocks))
+        if layout.dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+            t = t.view(layout.torch_dtype)
+    elif isinstance(blocks, torch.Tensor):
+        t = blocks
+        if t.dtype != layout.torch_dtype:
+            raise BadRequest(f"blocks dtype {t.dtype} does not match the layout ({layout.dtype})")
+    else:
+        raise BadRequest("blocks must be a torch tensor or numpy array")
+    if tuple(t.shape) != shape:
+        raise BadRequest(f"blocks have shape {tuple(t.shape)}; expected {shape} "
+                         "[n, 2, layers, kv_heads, block_tokens, head_dim]")
+    if t.device != torch.device(device):
+        t = t.to(device)
+    return t.contiguous()
+
+
+def check_out(layout: Layout, out: torch.Tensor, n: int, device: str | None = None) -> None:
+    """Raise unless ``out`` can take ``n`` blocks of ``layout`` (on ``device`` when given)."""
+    shape = layout.batch_shape(n)
+    if (tuple(out.shape) != shape or out.dtype != layout.torch_dtype or not out.is_contiguous()
+            or (device is not None and out.device != torch.device(device))):
+        where = "" if device is None else f" on {torch.device(device)}"
+        raise BadRequest(f"out must be a contiguous {layout.dtype} tensor of shape {shape}{where}")
+
+
+def first_tensor(caches: Any) -> Any:
+    """The first tensor of a per-layer list (or the tensor itself): it tells where the caches live."""
+    if isinstance(caches, list | tuple) and caches:
+        return caches[0]
+    return caches
