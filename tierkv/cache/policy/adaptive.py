@@ -8,10 +8,10 @@ Each block the policy evicts goes on a ghost list (as many entries as the tier h
 times ``ghost_ratio``) with its class (used once, or used more often) and the time it left. A
 ghost inserted again counts a return for its class; one that falls off the list counts a return
 if the shared history saw a use of it since it left (a disk victim recomputed into host), else a
-miss. The return rates
-of the two classes (decayed counts) steer ``w``: when once-used victims come back more often than
-the reused ones, the frequency term keeps the wrong blocks and ``w`` goes down by ``adapt_step``;
-otherwise it goes up, within ``weight_min``..``weight_max``. This is ARC's idea (move toward the
+miss. The return rates of the two classes (counts decayed over ``window`` victims) steer ``w``:
+each resolved victim moves it by ``adapt_step * (r_reused - r_once) / (r_reused + r_once)``, down
+when once-used victims come back more often than reused ones (the frequency term keeps the wrong
+blocks), up otherwise, within ``weight_min``..``weight_max``. This is ARC's idea (move toward the
 side whose ghosts are hit) with rates instead of counts, since most victims of a frequency-weighted
 score are once-used blocks whatever the trace.
 
