@@ -18,7 +18,7 @@ ALL = policy_names(oracles=True)
 
 
 def test_registry_lists_every_policy():
-    assert set(policy_names()) == {"lru", "lfu", "slru", "gdsf", "attention"}
+    assert set(policy_names()) == {"lru", "lfu", "slru", "gdsf", "attention", "adaptive"}
     assert "opt" in ALL
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
@@ -160,6 +160,60 @@ def test_attention_shared_history_survives_demotion():
     disk.on_insert("cold", 1)
     assert disk.victims(1) == ["cold"]
     assert hist.seen("hot") == 6
+
+
+def test_adaptive_with_a_fixed_weight_of_one_scores_as_attention():
+    clock = FakeClock()
+    pols = [build("attention", clock), build("adaptive", clock, adapt_step=0.0)]
+    for pol in pols:
+        parent = None
+        for i in range(12):
+            pol.on_insert(i, 1 + i % 3, parent)
+            for _ in range(i % 4):
+                pol.on_access(i)
+            parent = i if i % 5 else None
+    assert [pols[0].priority(k) for k in range(12)] == [pols[1].priority(k) for k in range(12)]
+    assert pols[0].victims(7) == pols[1].victims(7)
+
+
+def _evict_and_return(pol, keys, uses: int) -> None:
+    """Put ``keys`` in, used ``uses`` times each, evict them all, then insert them again."""
+    for k in keys:
+        pol.on_insert(k, 1)
+        for _ in range(uses):
+            pol.on_access(k)
+    for k in pol.victims(len(pol)):
+        pol.on_remove(k)
+    for k in keys:
+        pol.on_insert(k, 1)
+
+
+@pytest.mark.parametrize(("uses", "direction"), [(1, -1), (3, 1)])
+def test_adaptive_moves_the_frequency_weight_toward_the_class_that_returns(uses, direction):
+    pol = build("adaptive", FakeClock(), adapt_step=0.1, window=64)
+    _evict_and_return(pol, list(range(20)), uses)
+    once, reused = pol.rates()
+    assert (reused - once) * direction > 0
+    assert (pol.weight - 1.0) * direction > 0
+    assert pol.settings()["weight_min"] <= pol.weight <= pol.settings()["weight_max"]
+
+
+def test_adaptive_reweighs_resident_blocks_at_the_clock_they_were_scored_at():
+    clock = FakeClock()
+    pol = build("adaptive", clock, adapt_step=0.0, freq_weight=1.0)
+    for k in range(8):
+        pol.on_insert(k, 1)
+        for _ in range(k):
+            pol.on_access(k)
+    before = {k: pol.priority(k) for k in range(8)}
+    pol.weight = 2.0
+    pol._reweigh()
+    for k in range(8):  # level 0: the priority is F' * C / S, now F'^2 * C / S
+        lvl, freq, *_ = pol._parts[k]
+        assert lvl == 0.0
+        assert pol.priority(k) == pytest.approx(before[k] * freq)
+    with pytest.raises(ValueError):
+        pol.update(adapt_step=-1)
 
 
 def test_admission_rule():

@@ -92,7 +92,7 @@ def random_trace(seed=0, n=300):
     return out
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "gdsf", "attention"])
+@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "gdsf", "attention", "adaptive"])
 def test_opt_is_the_ceiling_and_policies_are_deterministic(name):
     w = Workload(parse_trace(random_trace()))
     cfg = ReplayConfig(tiers=[TierSpec("host", "10%")], kv_bytes_per_token=1)

@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from tierkv.cache.policy import History, make_policy
+from tierkv.cache.policy import History, make_policy, policy_class
+from tierkv.cache.policy.attention import AttentionPolicy
 from tierkv.cache.policy.placement import Placement
 from tierkv.cache.policy.reuse import ReuseModel
 from tierkv.sim.config import ReplayConfig, TierSpec
@@ -71,7 +72,7 @@ class Simulator:
         # the first tier's attention policy weighs blocks by their learned chance of a return, as
         # the daemon's host tier does
         self.host_reuse = ReuseModel(max_records=max(1 << 16, 4 * workload.unique_pages)) \
-            if names[0] == "attention" else None
+            if names[0] in ("attention", "adaptive") else None
         if "default" in names:
             raise ValueError("policy 'default' needs each tier's policy (TierSpec.policy; the CLI reads "
                              "them from configs/default.toml)")
@@ -126,7 +127,7 @@ class Simulator:
         kwargs: dict[str, Any] = {}
         if name == "opt":
             kwargs["next_use"] = self._next_of.__getitem__
-        elif name == "attention":
+        elif issubclass(policy_class(name), AttentionPolicy):
             kwargs["history"] = self.history
             if tier == 0 and self.host_reuse is not None:
                 kwargs["reuse"] = self.host_reuse.predictor(self.clock)

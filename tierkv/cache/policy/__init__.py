@@ -1,7 +1,7 @@
 """Eviction policies: one small interface, one module per policy; the simulator reuses them.
 
 ``make_policy(name, **settings)`` builds one; ``policy_names()`` lists the built-ins
-(``lru``, ``lfu``, ``slru``, ``gdsf``, ``attention``; ``opt`` is the simulator's oracle).
+(``lru``, ``lfu``, ``slru``, ``gdsf``, ``attention``, ``adaptive``; ``opt`` is the simulator's oracle).
 """
 
 from tierkv.cache.policy.admission import Admission

@@ -109,26 +109,40 @@ class AttentionPolicy(HeapPolicy):
             f = min(f, s["freq_cap"])
         if s["freq_shape"] == "log":
             f = 1.0 + math.log2(max(f, 1.0))
-        value = f
-        parent = self._parent.get(key)
-        if parent is not None and s["branch_weight"] > 0:
-            prec = self.history.get(parent)
-            if prec is not None and prec.count > rec.count > 0:
-                value *= (rec.count / prec.count) ** s["branch_weight"]
-        sharers = self._sharers.get(key, 0)
-        if sharers and s["beta"]:
-            value *= 1.0 + s["beta"] * math.log2(1 + sharers)
+        extra = 0.0
         mass = self._mass.get(key)
         if mass is not None and s["gamma"]:
             a, t = mass
             if s["attn_half_life_s"] > 0:
                 a *= 2.0 ** (-max(now - t, 0.0) / s["attn_half_life_s"])
-            value += s["gamma"] * a
-        if self.reuse is not None and s["reuse_weight"]:
-            value *= self.reuse(key) ** s["reuse_weight"]
+            extra = s["gamma"] * a
+        p = self.reuse(key) ** s["reuse_weight"] if self.reuse is not None and s["reuse_weight"] else 1.0
         size = self._size[key]
-        value *= self.miss_cost(key, size, rec) * _MIB / max(size, 1)
-        self._set_priority(key, self.level + value)
+        cost = self.miss_cost(key, size, rec) * _MIB / max(size, 1)
+        self._set_priority(key, self._combine(key, f, self._branch_sharers(key, rec), extra, p, cost))
+
+    def _branch_sharers(self, key: Hashable, rec: Record) -> tuple[float, float]:
+        """The factors ``B`` and ``R`` of the score."""
+        s, b, r = self._settings, 1.0, 1.0
+        parent = self._parent.get(key)
+        if parent is not None and s["branch_weight"] > 0:
+            prec = self.history.get(parent)
+            if prec is not None and prec.count > rec.count > 0:
+                b = (rec.count / prec.count) ** s["branch_weight"]
+        sharers = self._sharers.get(key, 0)
+        if sharers and s["beta"]:
+            r = 1.0 + s["beta"] * math.log2(1 + sharers)
+        return b, r
+
+    def _combine(self, key: Hashable, freq: float, br: tuple[float, float], extra: float, p: float,
+                 cost: float) -> float:
+        """The priority from the factors of the score: ``L + (F' * B * R + extra) * P * cost``."""
+        value = freq
+        if br[0] != 1.0:
+            value *= br[0]
+        if br[1] != 1.0:
+            value *= br[1]
+        return self.level + (value + extra) * p * cost
 
     # -- events -----------------------------------------------------------------------------
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:

@@ -316,7 +316,7 @@ class HeapPolicy(Policy):
 # -- registry ---------------------------------------------------------------------------------
 
 _REGISTRY: dict[str, type[Policy]] = {}
-_MODULES = ("lru", "lfu", "slru", "gdsf", "attention", "belady")
+_MODULES = ("lru", "lfu", "slru", "gdsf", "attention", "adaptive", "belady")
 
 
 def register(cls: type[Policy]) -> type[Policy]:
