@@ -86,7 +86,7 @@ class DiskConfig:
     codec_level: int = 1
     """zstd level used by the codec."""
     high_watermark: float = 0.95
-    """Drop least-recently-used blocks when used/capacity exceeds this."""
+    """Drop blocks (those ``policy`` picks) when used/capacity exceeds this."""
     low_watermark: float = 0.90
     """Drop until used/capacity falls below this."""
     workers: int = 2
@@ -96,7 +96,7 @@ class DiskConfig:
     write_batch: int = 256
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
     policy: str = "attention"
-    """Eviction policy for this tier (what to drop when the disk is full)."""
+    """Eviction policy for this tier: what to drop above the high watermark (lru, lfu, slru, gdsf, attention)."""
     admission: Literal["predicted", "all", "reused", "pinned"] = "predicted"
     """Which host victims are written to disk: ``predicted`` (every one while the writer keeps up; under
     pressure those whose learned chance of a return, times the recompute time saved, beats the write),
