@@ -78,3 +78,18 @@ def test_disk_eviction_docs_match_the_policy():
         lowered = text.lower().replace("-", " ")
         if policy != "lru":
             assert "least recently used" not in lowered, f"{place} says LRU, the policy is {policy}"
+
+
+@pytest.mark.parametrize("capacity", ["8MiB", "16MiB", "4KiB"])
+def test_small_host_capacity_with_the_default_slab(capacity):
+    cfg = load_config(env={}, overrides={"host.capacity": capacity})
+    assert cfg.host.capacity == parse_size(capacity) and cfg.host.slab_bytes == 32 << 20
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("host.capacity", "100", "host.capacity"),
+    ("host.slab_bytes", "5000", "host.slab_bytes"),
+])
+def test_bad_host_sizes(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(env={}, overrides={key: value})

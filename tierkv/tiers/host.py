@@ -59,15 +59,24 @@ class SlabAllocator:
 
     The host pool (a memfd) and the GPU tier's device pool share it. Not thread-safe: the block table
     serialises calls.
+
+    Args:
+        capacity: bytes of the region; what is left past the last whole slab is not used.
+        slab_bytes: slab size, a multiple of 4 KiB. A region smaller than one slab is one slab of the
+            region's size (rounded down to 4 KiB), so a small tier works with the default slab size.
+
+    Raises:
+        ValueError: ``slab_bytes`` is not a multiple of 4 KiB, or ``capacity`` is under 4 KiB.
     """
 
     def __init__(self, capacity: int, slab_bytes: int) -> None:
-        if slab_bytes % SLOT_ALIGN:
-            raise ValueError("slab_bytes must be a multiple of 4 KiB")
+        if slab_bytes <= 0 or slab_bytes % SLOT_ALIGN:
+            raise ValueError(f"slab_bytes must be a positive multiple of 4 KiB, got {slab_bytes}")
+        slab_bytes = min(slab_bytes, capacity // SLOT_ALIGN * SLOT_ALIGN)
         self.slab_bytes = slab_bytes
+        if slab_bytes < SLOT_ALIGN:
+            raise ValueError(f"pool capacity must be at least 4 KiB, got {capacity}")
         self.nslabs = capacity // slab_bytes
-        if self.nslabs < 1:
-            raise ValueError("pool capacity must hold at least one slab")
         self.capacity = self.nslabs * slab_bytes
         self._slabs: list[_Slab | None] = [None] * self.nslabs
         self._free_slabs = list(range(self.nslabs - 1, -1, -1))
