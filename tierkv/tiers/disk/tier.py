@@ -1,13 +1,12 @@
-"""Disk tier: one LMDB environment in the data directory, opened only by the daemon, one writer.
+"""The disk tier's LMDB environment: scan, read, write and flush, one writer, readers in parallel.
 
 Values are encoded block containers (``tierkv.codecs``): a header with format version, namespace
 fingerprint, codec, raw length and a checksum of the raw bytes, then the payload. The LMDB key is
-``fingerprint + block key``. Every read is verified; a bad value is reported as ``None`` (a miss).
+``fingerprint + block key``. The tier stores bytes only; its callers encode and verify them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -20,13 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import numpy as np
 
-from tierkv.core.errors import PermissionDenied, TierFull, TierKVError
+from tierkv.core.errors import PermissionDenied, TierFull
+from tierkv.tiers.disk.errors import classify
+from tierkv.tiers.disk.mapping import MADV_DONTNEED, PAGE, find_mapping, libc, resident, unmap_pages, willneed
+from tierkv.tiers.disk.pages import PageMap
+from tierkv.tiers.disk.writeback import WritebackKicker
 
 log = logging.getLogger("tierkv.disk")
 
-PAGE = 4096
 # LMDB needs room beyond the payload bytes (branch pages, free-list, copy-on-write of the last txn).
 MAP_OVERHEAD = 1.25
 MAP_EXTRA = 64 << 20
@@ -36,33 +37,6 @@ MAP_EXTRA = 64 << 20
 # CI disk with test tiers that held a few MiB each) between GROW_MIN and GROW_AHEAD.
 GROW_MIN = 16 << 20
 GROW_AHEAD = 1 << 30
-_MADV_WILLNEED = 3
-_MADV_DONTNEED = 4
-_MADV_POPULATE_READ = 22  # Linux 5.14+: fault a whole range in at once
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_SYNC_FILE_RANGE_WRITE = 2
-# How often a commit in progress has the kernel start writing the pages it has written so far.
-WRITEBACK_KICK_S = 0.0005
-
-
-def _willneed(value: memoryview) -> None:
-    """Read and map a whole value before decoding it. LMDB maps with MADV_RANDOM, so touching a 2 MiB
-    value page by page takes ~500 page faults, each a 4 KiB read when the page is not cached. One
-    MADV_WILLNEED starts the reads of the whole range at once (large I/Os; measured: 0.1 vs 1.3 GB/s from
-    the device), then one MADV_POPULATE_READ (Linux 5.14+) maps it (measured: 0.4 vs 2.4 GB/s from the
-    page cache)."""
-    if len(value) < 64 << 10:
-        return
-    addr = np.frombuffer(value, np.uint8).ctypes.data
-    start = addr & ~(PAGE - 1)
-    length = addr + len(value) - start
-    _libc.madvise(start, length, _MADV_WILLNEED)
-    _libc.madvise(start, length, _MADV_POPULATE_READ)
-
-
 # Values read in place through the tier's mapping stay mapped until this many bytes were read, then
 # every page of the mapping is dropped from the process (the page cache keeps them). Without it the
 # daemon's RSS grows with every page of the LMDB file it ever read (measured in the soak: +330 MB of
@@ -80,48 +54,23 @@ FAULT_AROUND = 64 << 10
 MAPPED_DROP_S = 0.05
 
 
-def _find_mapping(path: Path, size: int) -> int | None:
-    """The address of this process's mapping of ``path`` that is ``size`` bytes long (LMDB maps its
-    whole map size; py-lmdb does not say where), or None."""
-    target = os.path.realpath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].strip() == target:
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    if hi - lo == size:
-                        return lo
-    except OSError:
-        pass
-    return None
-
-
-def _unmap_pages(value: memoryview) -> None:
-    """Take the pages wholly inside ``value`` out of this process's mappings (MADV_DONTNEED on a shared
-    read-only file mapping: the page cache keeps them, the next use maps them again)."""
-    if len(value) < 64 << 10:
-        return
-    addr = np.frombuffer(value, np.uint8).ctypes.data
-    start = (addr + PAGE - 1) & ~(PAGE - 1)
-    end = (addr + len(value)) & ~(PAGE - 1)
-    if end > start:
-        _libc.madvise(start, end - start, _MADV_DONTNEED)
-
-
-class DiskError(TierKVError):
-    """The disk failed (EIO and friends): the tier is degraded."""
-
-    code = "disk"
-
-
 def stored_size(nbytes: int) -> int:
     """Bytes a value occupies in LMDB's overflow pages (whole pages plus the page header)."""
     return (nbytes + 16 + PAGE - 1) // PAGE * PAGE
 
 
 class DiskTier:
-    """The LMDB environment. Thread-safe: LMDB serialises writers; readers run in parallel."""
+    """The LMDB environment. Thread-safe: LMDB serialises writers; readers run in parallel.
+
+    Args:
+        path: the environment's directory (created 0700; refused if a symlink or writable by others).
+        capacity: bytes of stored values; the LMDB map is sized from it.
+        sync: fsync each commit's data pages (durable acknowledgements need it).
+
+    Raises:
+        PermissionDenied: ``path`` or its files are not the daemon's own.
+        DiskError: py-lmdb runs a liblmdb whose page format the page reader does not know.
+    """
 
     def __init__(self, path: Path, capacity: int, sync: bool = True) -> None:
         self.path = Path(path)
@@ -129,6 +78,8 @@ class DiskTier:
         self.map_size = int(capacity * MAP_OVERHEAD) + MAP_EXTRA
         self.sync = sync
         _private_env_dir(self.path)
+        # Before LMDB opens the file: the page map refuses a liblmdb whose pages it cannot read.
+        self._pages = PageMap(self.path / "data.mdb")
         # writemap stays off: with writemap a full disk turns into SIGBUS instead of an error (and its
         # page faults made durable puts 2.4x slower here). metasync off: a commit fsyncs its data pages
         # but not the meta page that publishes them (a system crash may undo the last commit, never
@@ -144,9 +95,8 @@ class DiskTier:
         self._mapped_bytes = 0  # read in place or written since the mappings' pages were last dropped
         self._dropped_at = time.monotonic()
         self._env_map_size = (self.env.info()["map_size"] + PAGE - 1) & ~(PAGE - 1)
-        self._env_map = _find_mapping(self.path / "data.mdb", self._env_map_size)  # LMDB's map of the file
+        self._env_map = find_mapping(self.path / "data.mdb", self._env_map_size)  # LMDB's map of the file
         self.fault: Callable[[str], None] | None = None  # test shim: raise OSError(EIO) on "read"/"write"
-        self._pages = _PageMap(self.path / "data.mdb")
         self._buffers = threading.local()  # per reader thread: the O_DIRECT read buffer
         try:
             self._direct_fd: int | None = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
@@ -156,13 +106,13 @@ class DiskTier:
         # Small values are copied out with pread: used in place they would map their pages and, by the
         # kernel's fault-around, 64 KiB of cached neighbours each.
         self._read_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW)
-        self._writeback = _WritebackKicker(self._read_fd if sync else None)
+        self._writeback = WritebackKicker(self._read_fd if sync else None)
 
     def scan(self) -> Iterator[tuple[bytes, memoryview]]:
         """Every (key, value) pair of one snapshot; values are only valid during iteration.
 
         Values are slices of the tier's own read-only MADV_RANDOM mapping of the data file, located by
-        walking LMDB's B-tree pages (:class:`_PageMap`): reading a value's header reads only the page it
+        walking LMDB's B-tree pages (:class:`~tierkv.tiers.disk.pages.PageMap`): reading a value's header reads only the page it
         starts on. py-lmdb's cursors touch every page of every value they return (its ``preload``), so a
         scan through them read the whole file at every start and left it all in the page cache
         (measured: a 512 MiB tier 100% resident after the start-up scan). If the walk meets anything it
@@ -181,7 +131,7 @@ class DiskTier:
             whole, items = walked
             for key, off, size in items:
                 yield key, whole[off:off + size]
-            _unmap_pages(whole)  # the header and B-tree pages the scan touched (the page cache keeps them)
+            unmap_pages(whole)  # the header and B-tree pages the scan touched (the page cache keeps them)
 
     def write(self, puts: list[tuple[bytes, Any]], deletes: list[bytes] = ()) -> None:
         """Delete then put in one transaction, committed before returning: its data pages are synced,
@@ -211,9 +161,9 @@ class DiskTier:
             except lmdb.MapFullError:
                 raise TierFull("disk tier map is full") from None
             except lmdb.Error as exc:
-                raise _classify(exc) from None
+                raise classify(exc) from None
             except OSError as exc:
-                raise _classify(exc) from None
+                raise classify(exc) from None
 
     def flush(self) -> None:
         """Make every committed write durable (the meta pages of commits since the last flush).
@@ -227,7 +177,7 @@ class DiskTier:
             try:
                 self.env.sync(True)
             except (lmdb.Error, OSError) as exc:
-                raise _classify(exc) from None
+                raise classify(exc) from None
 
     def _grow(self, incoming: int) -> None:
         """Preallocate the data file ahead of the pages LMDB will use next.
@@ -251,7 +201,7 @@ class DiskTier:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
                     if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size == tight:
-                        raise _classify(exc) from None
+                        raise classify(exc) from None
                     continue
                 self._allocated = size
                 return
@@ -295,13 +245,13 @@ class DiskTier:
                 value = txn.get(key)
                 if value is None:
                     return None
-                _willneed(value)
+                willneed(value)
                 try:
                     return use(value)
                 finally:
                     self._count_mapped(len(value) + FAULT_AROUND)  # LMDB's map: dropped on the same budget
         except (lmdb.Error, OSError) as exc:
-            raise _classify(exc) from None
+            raise classify(exc) from None
 
     def _count_mapped(self, nbytes: int) -> None:
         """Count bytes read or written; past MAPPED_BUDGET, or MAPPED_DROP_S after the last time, drop
@@ -316,10 +266,10 @@ class DiskTier:
             return
         self._mapped_bytes = 0
         self._dropped_at = now
-        _unmap_pages(self._pages._map()[0])
+        unmap_pages(self._pages._map()[0])
         if self._env_map is not None:
-            _libc.madvise(self._env_map, min(self._env_map_size, (self.file_bytes() + PAGE - 1) & ~(PAGE - 1)),
-                          _MADV_DONTNEED)
+            libc.madvise(self._env_map, min(self._env_map_size, (self.file_bytes() + PAGE - 1) & ~(PAGE - 1)),
+                          MADV_DONTNEED)
 
     def _fetch(self, txnid: int, key: bytes) -> tuple[memoryview | None, bool]:
         """The value through the page map, and whether it is the file's mapping: in place when cached,
@@ -334,9 +284,9 @@ class DiskTier:
             if len(data) < size:
                 raise ValueError(f"short read ({len(data)} of {size} B)")
             return memoryview(data), False
-        if self._direct_fd is None or self._pages.resident(view, off, size):
+        if self._direct_fd is None or resident(view, off, size):
             value = view[off:off + size]
-            _willneed(value)
+            willneed(value)
             return value, True
         start = off & ~(PAGE - 1)  # the overflow page: O_DIRECT wants aligned offsets and lengths
         length = (off + size - start + PAGE - 1) & ~(PAGE - 1)
@@ -351,7 +301,7 @@ class DiskTier:
             log.info("disk reads: O_DIRECT refused (%s); cold values go through the page cache", exc)
             self._direct_fd = None  # kept open until close(): another reader may be using it
             value = view[off:off + size]
-            _willneed(value)
+            willneed(value)
             return value, True
         if got < off - start + size:
             raise ValueError(f"short direct read ({got} of {length} B)")
@@ -391,234 +341,6 @@ class DiskTier:
         self._direct_fd = self._direct_fd0 = None
 
 
-class _WritebackKicker:
-    """While a commit runs (``with kicker: txn.commit()``), a thread has the kernel start writing the
-    file's dirty pages every WRITEBACK_KICK_S (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which starts
-    writeback and waits for nothing).
-
-    LMDB's commit copies the transaction's pages into the page cache, then fsyncs: the device idles
-    while the copy runs, and the CPU while the fsync waits. Started early, the writes overlap the copy
-    (measured, LMDB alone in the daemon's pattern: 1.09-1.14 vs 0.90-0.92 GB/s in alternating runs). The
-    fsync at the end of the commit is unchanged, so what a commit makes durable is unchanged.
-    """
-
-    def __init__(self, fd: int | None) -> None:
-        self._fd = fd  # the data file, owned by the tier (None: off)
-        self._active = threading.Event()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _WritebackKicker:
-        if self._fd is not None:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tierkv-disk-writeback", daemon=True)
-                self._thread.start()
-            self._active.set()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._active.clear()
-
-    def _run(self) -> None:
-        while not self._closed:
-            if not self._active.wait(1.0):
-                continue
-            fd = self._fd
-            if fd is None or _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
-                if fd is not None:
-                    log.info("disk writeback kick unavailable (errno %d); commits write at their fsync",
-                             ctypes.get_errno())
-                self._fd = None
-                self._active.clear()
-                return
-            time.sleep(WRITEBACK_KICK_S)
-
-    def close(self) -> None:
-        self._closed = True
-        self._active.set()
-        if self._thread is not None:
-            self._thread.join(2.0)
-        self._fd = None
-
-
-# LMDB 0.9 on-disk format (mdb.c), 64-bit little-endian: a page starts with pgno u64, pad u16, flags u16,
-# lower u16, upper u16 (an overflow page: page count u32 instead of lower/upper), then u16 node offsets.
-# A node: size (or child pgno) low u32, flags u16 (a branch: child pgno bits 32-47), key size u16, key,
-# data. Meta pages 0 and 1 hold magic, version, address, map size, the free and main DB records (48 B:
-# pad u32 = page size for the free DB, flags u16, depth u16, branch/leaf/overflow pages, entries, root)
-# and the last page number and transaction id.
-_PAGE_HDR = struct.Struct("<QHHHH")
-_NODE_HDR = struct.Struct("<IHH")
-_META = struct.Struct("<II8x8x" + "IHH5Q" * 2 + "QQ")
-_MDB_MAGIC, _MDB_VERSION = 0xBEEFC0DE, 1
-_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_LEAF2 = 0x01, 0x02, 0x04, 0x20
-_F_BIGDATA = 0x01
-_P_INVALID = (1 << 64) - 1
-_DUPSORT = 0x04
-
-
-class _PageMap:
-    """LMDB's pages seen through the tier's own read-only MADV_RANDOM mapping of the data file: walk or
-    search the B-tree of one snapshot and hand out values as slices, touching no value page.
-
-    Callers hold a read transaction of the snapshot, so LMDB reuses none of its pages meanwhile. Every
-    page is checked (its number, its kind, bounds; an overflow page must hold its value); anything
-    unexpected raises ValueError and the caller goes through py-lmdb instead.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._state: tuple[memoryview, int] | None = None  # (view of the mapping, its pages): one object
-
-    def _map(self, need_pages: int = 0) -> tuple[memoryview, int]:
-        """The mapping (remapped when the file grew past it), as a view and a page count."""
-        state = self._state
-        if state is not None and need_pages <= state[1]:
-            return state
-        with self._lock:
-            state = self._state
-            if state is not None and need_pages <= state[1]:
-                return state
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                size = os.fstat(fd).st_size // PAGE * PAGE
-                if size < 2 * PAGE:
-                    raise ValueError("no LMDB meta pages yet")
-                area = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            area.madvise(mmap.MADV_RANDOM)
-            # The old mapping goes when the last value sliced from it does (no explicit close).
-            self._state = (memoryview(area), size // PAGE)
-            return self._state
-
-    def _root(self, txnid: int) -> tuple[memoryview, int, int, int]:
-        """(view, page count, main DB root, entries) of the snapshot ``txnid``."""
-        view, pages = self._map()
-        for pg in (0, 1):
-            (magic, version, psize, _ff, _fd, _fb, _fl, _fo, _fe, _fr, _pad, flags, _depth, _b, _l, _o, entries,
-             root, last, mtxn) = _META.unpack_from(view, pg * PAGE + _PAGE_HDR.size)
-            if magic != _MDB_MAGIC or version != _MDB_VERSION or mtxn != txnid:
-                continue
-            if psize != PAGE or flags & _DUPSORT:
-                raise ValueError(f"unexpected page size {psize} or DB flags {flags:#x}")
-            if last >= pages:
-                view, pages = self._map(last + 1)
-            return view, pages, root, entries
-        raise ValueError(f"no meta page of transaction {txnid}")
-
-    @staticmethod
-    def _page(view: memoryview, pages: int, pgno: int) -> tuple[int, int, int, tuple[int, ...]]:
-        """(base offset, flags, upper, node offsets) of a branch or leaf page."""
-        if not 2 <= pgno < pages:
-            raise ValueError(f"page {pgno} outside the file")
-        base = pgno * PAGE
-        got, _pad, pflags, lower, upper = _PAGE_HDR.unpack_from(view, base)
-        if got != pgno or pflags & _P_LEAF2 or not pflags & (_P_BRANCH | _P_LEAF) or not (
-                _PAGE_HDR.size <= lower <= upper <= PAGE):
-            raise ValueError(f"page {pgno}: not a branch or leaf page")
-        ptrs = struct.unpack_from(f"<{(lower - _PAGE_HDR.size) // 2}H", view, base + _PAGE_HDR.size)
-        if any(not upper <= ptr <= PAGE - _NODE_HDR.size for ptr in ptrs):
-            raise ValueError(f"page {pgno}: node offset out of bounds")
-        return base, pflags, upper, ptrs
-
-    @staticmethod
-    def _key(view: memoryview, base: int, ptr: int) -> bytes:
-        _lo, _flags, ksize = _NODE_HDR.unpack_from(view, base + ptr)
-        start = base + ptr + _NODE_HDR.size
-        if start + ksize > base + PAGE:
-            raise ValueError("node key out of bounds")
-        return bytes(view[start:start + ksize])
-
-    @staticmethod
-    def _value(view: memoryview, pages: int, base: int, ptr: int) -> tuple[int, int]:
-        """(offset, size) of a leaf node's value."""
-        dsize, nflags, ksize = _NODE_HDR.unpack_from(view, base + ptr)
-        data = base + ptr + _NODE_HDR.size + ksize
-        if nflags & _F_BIGDATA:
-            (opg,) = struct.unpack_from("<Q", view, data)
-            if not 2 <= opg < pages:
-                raise ValueError(f"overflow page {opg} outside the file")
-            got, _pad, oflags, opages = struct.unpack_from("<QHHI", view, opg * PAGE)
-            if got != opg or not oflags & _P_OVERFLOW or opages * PAGE < _PAGE_HDR.size + dsize or (
-                    opg + opages > pages):
-                raise ValueError(f"page {opg}: not an overflow page holding {dsize} B")
-            return opg * PAGE + _PAGE_HDR.size, dsize
-        if nflags:
-            raise ValueError(f"unexpected node flags {nflags:#x}")
-        if data + dsize > base + PAGE:
-            raise ValueError("inline value out of bounds")
-        return data, dsize
-
-    def walk(self, txnid: int) -> tuple[memoryview, list[tuple[bytes, int, int]]]:
-        """The mapping and every (key, value offset, value size) of the snapshot, in key order."""
-        view, pages, root, entries = self._root(txnid)
-        items: list[tuple[bytes, int, int]] = []
-        stack = [] if root == _P_INVALID else [root]
-        while stack:
-            base, pflags, _upper, ptrs = self._page(view, pages, stack.pop())
-            if pflags & _P_BRANCH:
-                children = []
-                for ptr in ptrs:
-                    lo, nflags, _ksize = _NODE_HDR.unpack_from(view, base + ptr)
-                    children.append(lo | nflags << 32)
-                stack.extend(reversed(children))  # depth first, in key order
-                continue
-            for ptr in ptrs:
-                items.append((self._key(view, base, ptr), *self._value(view, pages, base, ptr)))
-        if len(items) != entries:
-            raise ValueError(f"walked {len(items)} entries, the snapshot has {entries}")
-        return view, items
-
-    def find(self, txnid: int, key: bytes) -> memoryview | None:
-        """The value of ``key`` in the snapshot (a slice of the mapping), None when absent."""
-        loc = self.locate(txnid, key)
-        return None if loc is None else loc[0][loc[1]:loc[1] + loc[2]]
-
-    def locate(self, txnid: int, key: bytes) -> tuple[memoryview, int, int] | None:
-        """(mapping, value offset, value size) of ``key`` in the snapshot, None when absent. LMDB orders
-        keys as Python orders bytes (memcmp, then length); a branch node's first key is empty."""
-        view, pages, pgno, _entries = self._root(txnid)
-        if pgno == _P_INVALID:
-            return None
-        for _depth in range(64):
-            base, pflags, _upper, ptrs = self._page(view, pages, pgno)
-            if pflags & _P_BRANCH:
-                lo, hi = 1, len(ptrs)  # child = the last node whose key <= key (node 0: minus infinity)
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if self._key(view, base, ptrs[mid]) <= key:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                node, nflags, _ksize = _NODE_HDR.unpack_from(view, base + ptrs[lo - 1])
-                pgno = node | nflags << 32
-                continue
-            lo, hi = 0, len(ptrs)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self._key(view, base, ptrs[mid]) < key:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            if lo == len(ptrs) or self._key(view, base, ptrs[lo]) != key:
-                return None
-            off, size = self._value(view, pages, base, ptrs[lo])
-            return view, off, size
-        raise ValueError("B-tree deeper than 64 levels")
-
-    def resident(self, view: memoryview, off: int, size: int) -> bool:
-        """Whether every page of ``view[off:off + size]`` is in the page cache (mincore)."""
-        addr = np.frombuffer(view, np.uint8, size, off).ctypes.data
-        start = addr & ~(PAGE - 1)
-        length = addr + size - start
-        vec = np.empty((length + PAGE - 1) // PAGE, np.uint8)
-        if _libc.mincore(start, length, vec.ctypes.data) != 0:
-            return False
-        return bool((vec & 1).all())
-
-
 def _private_env_dir(path: Path) -> None:
     """Create the environment's directory 0700, or check an existing one (and its files) as the daemon
     checks the data dir: not a symlink, ours, not writable by others; files made 0600."""
@@ -635,10 +357,3 @@ def _private_env_dir(path: Path) -> None:
         if f.exists() and os.stat(f).st_mode & 0o077:
             os.chmod(f, 0o600)  # left readable by an older version or a copy
 
-
-def _classify(exc: Exception) -> TierKVError:
-    err = getattr(exc, "errno", None)
-    text = str(exc)
-    if err in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or "MDB_MAP_FULL" in text:
-        return TierFull(f"disk tier is full: {text}")
-    return DiskError(f"disk tier I/O error: {text}")
