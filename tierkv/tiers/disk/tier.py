@@ -33,8 +33,8 @@ MAP_OVERHEAD = 1.25
 MAP_EXTRA = 64 << 20
 # The data file is preallocated ahead of LMDB's last page: extending a file inside an fsynced
 # transaction costs ext4 block allocation and journal work (measured: 0.4 vs 1.0-1.6 GB/s commits).
-# The step doubles the file (so a tier holding little occupies little: a fixed 1 GiB-ahead step filled a
-# CI disk with test tiers that held a few MiB each) between GROW_MIN and GROW_AHEAD.
+# The step doubles the file between GROW_MIN and GROW_AHEAD, so a tier holding little occupies little
+# (a fixed 1 GiB step ahead would fill a CI disk with test tiers of a few MiB each).
 GROW_MIN = 16 << 20
 GROW_AHEAD = 1 << 30
 # Values read in place through the tier's mapping stay mapped until this many bytes were read, then
@@ -90,6 +90,7 @@ class DiskTier:
                              max_dbs=0, lock=True, mode=0o600)
         # Readers of processes killed mid-read leave stale slots; clear them at every start.
         self.env.reader_check()
+        self._max_key = self.env.max_key_size()
         self._write_lock = threading.Lock()
         self._allocated = self.file_bytes()
         self._mapped_bytes = 0  # read in place or written since the mappings' pages were last dropped
@@ -138,9 +139,14 @@ class DiskTier:
         and it is durable once :meth:`flush` returns (or the next write's commit does).
 
         Raises:
+            ValueError: a key is empty or longer than LMDB's key limit (nothing is written).
             TierFull: the map or the file system is full (nothing of this batch is written).
             DiskError: an I/O error (nothing of this batch is written).
         """
+        for key in deletes:
+            self._check_key(key)
+        for key, _ in puts:
+            self._check_key(key)
         with self._write_lock:
             try:
                 if self.fault:
@@ -223,8 +229,10 @@ class DiskTier:
         that copy, or the map not find the key, the value is read again through LMDB, which decides.
 
         Raises:
+            ValueError: ``key`` is empty or longer than LMDB's key limit.
             DiskError: the read failed with an I/O error.
         """
+        self._check_key(key)
         try:
             if self.fault:
                 self.fault("read")
@@ -252,6 +260,11 @@ class DiskTier:
                     self._count_mapped(len(value) + FAULT_AROUND)  # LMDB's map: dropped on the same budget
         except (lmdb.Error, OSError) as exc:
             raise classify(exc) from None
+
+    def _check_key(self, key: bytes) -> None:
+        # LMDB answers a bad key size with an error that would read as the disk failing.
+        if not 0 < len(key) <= self._max_key:
+            raise ValueError(f"a disk tier key must be 1..{self._max_key} bytes, got {len(key)}")
 
     def _count_mapped(self, nbytes: int) -> None:
         """Count bytes read or written; past MAPPED_BUDGET, or MAPPED_DROP_S after the last time, drop
