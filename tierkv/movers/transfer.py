@@ -33,13 +33,14 @@ class TransferEngine:
         make_room: called before each disk write with its incoming bytes; returns LMDB keys to delete.
         write_batch: most blocks in one disk transaction.
         budgets: bytes/s per link (None or 0: unlimited).
+        cost: the cost model fed the measured load rates (None: the engine makes its own).
     """
 
     def __init__(self, disk: DiskTier | None, workers: int = 2, codec: str = "lossless", level: int = 1,
                  make_room: Callable[[int], list[bytes]] | None = None, write_batch: int = 32,
-                 budgets: dict[str, float | None] | None = None) -> None:
+                 budgets: dict[str, float | None] | None = None, cost: CostModel | None = None) -> None:
         self.budgets = LinkBudgets(budgets or {})
-        self.cost = CostModel()
+        self.cost = CostModel() if cost is None else cost
         self._book = JobBook(("host->disk", "disk->host"))
         self._encode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-encode")
         # A load mostly waits on the device (an O_DIRECT read, GIL released), then decodes: more loads in
