@@ -22,7 +22,7 @@ from tierkv.core.errors import ConnectionFailed
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.core.protocol import Op
-from tierkv.ops.cli import _TUNABLES
+from tierkv.daemon.allocator import TUNABLES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,7 +131,7 @@ def keys_for(c: tierkv.Client, n: int, seed: int = 0) -> list[bytes]:
 
 # The daemon re-execs itself once to set these glibc tunables; setting them up front skips that
 # (a second torch import) and keeps the allocator exactly as in production.
-FAST_ENV = {"GLIBC_TUNABLES": _TUNABLES}
+FAST_ENV = {"GLIBC_TUNABLES": TUNABLES}
 
 
 MAX_FRAME = 16 << 20  # the daemon's default server.max_frame_bytes
@@ -260,3 +260,24 @@ PAGE = 512  # kv_bytes_per_token=1 below, so one 512-token page is 512 bytes
 
 def line(ts_ms, n_in, ids, n_out=1):
     return json.dumps({"timestamp": ts_ms, "input_length": n_in, "output_length": n_out, "hash_ids": ids})
+
+
+class FakeClock:
+    """A clock the test moves by hand (``clock.now += dt``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build_policy(name: str, clock: FakeClock | None = None, future: dict | None = None, **settings: Any):
+    """A registered policy on a fake clock; ``opt`` reads next uses from ``future`` (default: never)."""
+    from tierkv.cache.policy import make_policy
+
+    clock = clock or FakeClock()
+    if name == "opt":
+        future = future if future is not None else {}
+        return make_policy(name, clock=clock, next_use=lambda k: future.get(k, float("inf")), **settings)
+    return make_policy(name, clock=clock, **settings)

@@ -6,7 +6,6 @@ import ctypes
 import shutil
 import subprocess
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,7 +179,7 @@ def test_batch_with_gaps_and_fp8():
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_slot_gather_in_small_groups(monkeypatch, layout):
-    monkeypatch.setattr(paged, "_STAGE_BYTES", 1)  # one block per staging group
+    monkeypatch.setattr(paged.host, "_STAGE_BYTES", 1)  # one block per staging group
     L, H, T, D, NB, n = 2, 3, 4, 8, 7, 5
     gen = torch.Generator().manual_seed(17)
     ks, vs = make_caches(L, H, T, D, NB, torch.float16, layout, gen)
@@ -272,8 +271,9 @@ def emulator(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    src = Path(paged.__file__).resolve().parent.parent / "native" / "paged_kv.cu"
-    so = tmp_path_factory.mktemp("paged_emu") / "paged_emu.so"
+    work = tmp_path_factory.mktemp("paged_emu")
+    src, so = work / "paged_kv.cu", work / "paged_emu.so"
+    src.write_text(paged.kernel_source())
     subprocess.run([cxx, "-x", "c++", "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas",
                     "-DTIERKV_HOST_EMULATION", str(src), "-o", str(so)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
@@ -290,6 +290,11 @@ def emulator(tmp_path_factory):
         return plan
 
     return run
+
+
+def test_kernel_source_found_in_the_checkout(monkeypatch):
+    monkeypatch.delenv("TIERKV_NATIVE_DIR", raising=False)
+    assert "tierkv_paged_copy" in paged.kernel_source()
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

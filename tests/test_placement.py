@@ -19,7 +19,7 @@ from tierkv.daemon.config import Config
 from tierkv.ops.replay_cli import replay as replay_cmd
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
 
-from .helpers import PAGE, REPO, keys_for, line, rand_blocks
+from .helpers import PAGE, REPO, keys_for, line, rand_blocks, wait_for
 
 MIB_LAYOUT = tierkv.Layout(8, 8, 128, 32, "bfloat16")  # 1 MiB blocks
 
@@ -39,6 +39,23 @@ def test_store_overflow_reaches_disk_so_every_block_is_found(daemon_factory):
         assert st["disk"]["admission"] == "predicted" and st["disk"]["rejected"] == 0
         for i in range(0, 96, 24):
             assert torch.equal(c.get(keys[i:i + 24]).view(torch.int16), blocks[i:i + 24].view(torch.int16))
+
+
+def test_disk_evicts_chains_from_the_tail(daemon_factory):
+    """The disk tier knows each block's chain: when it fills, stored chains lose their tails first, so
+    every chain keeps a cached prefix (a block whose prefix is gone can never be a hit)."""
+    d = daemon_factory(["--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--disk-capacity", "2MiB"],
+                       env={"TIERKV_DISK_ADMISSION": "all"})  # every host victim is written
+    with d.client() as c:  # 8 KiB blocks: 128 host slots, about 240 blocks on disk
+        chains = [keys_for(c, 24, seed=100 + i) for i in range(14)]
+        for i, keys in enumerate(chains):
+            c.put(keys, rand_blocks(24, seed=100 + i))
+            if i < 7:
+                c.get(keys)  # a use of the whole chain: deeper blocks cost more to recompute
+        assert wait_for(lambda: c.stats()["tiers"]["disk"]["evictions"] > 0, timeout=30)
+        for keys in chains:
+            held = [c.lookup([k]) for k in keys]
+            assert held == sorted(held, reverse=True), f"a chain lost a block before its tail: {held}"
 
 
 def test_request_finished_reaches_the_placement_rule(daemon):
@@ -97,7 +114,7 @@ def test_reuse_model_tails_extension_and_bounds():
     m.requested(["a", "b"], 0.0)
     m.request_finished(["a", "b"], 1.0)
     tail_cls = m.block_class("b", 2.0)
-    m.requested(["a", "b", "c"], 3.0)  # the next turn extends the chain: "b" is no longer its tail
+    m.requested(["a", "b", "c"], 3.0)  # the next turn extends the chain: "b" is not its tail
     assert m.block_class("b", 4.0) != tail_cls and m.uses("b") == 2 and m.depth("c") == 2
     assert m.block_class("c", 3.0 + 601.0) != m.block_class("c", 4.0)  # a chain idle past the TTL
     for i in range(100):
@@ -176,6 +193,19 @@ def test_replay_policy_default_runs_configs_default_toml(tmp_path):
     assert row["admission"] == toml["disk"]["admission"] == cfg.disk.admission
     for key in ("token_hit_rate", "disk_writes_bytes", "tier_hit_rate", "ttft_p50_s"):
         assert key in row
+
+
+def test_replay_reads_the_repository_default_toml(tmp_path, monkeypatch):
+    """``--policy default`` without ``--config`` reads configs/default.toml itself, not the built-in
+    defaults: a setting changed there reaches the replay."""
+    from tierkv.ops import replay_cli
+
+    assert replay_cli.DEFAULT_CONFIG == REPO / "configs" / "default.toml"
+    assert replay_cli.DEFAULT_CONFIG.is_file()
+    text = replay_cli.DEFAULT_CONFIG.read_text().replace('admission = "predicted"', 'admission = "reused"')
+    (tmp_path / "default.toml").write_text(text)
+    monkeypatch.setattr(replay_cli, "DEFAULT_CONFIG", tmp_path / "default.toml")
+    assert replay_cli.daemon_config(None).disk.admission == "reused"
 
 
 def test_store_burst_under_the_default_evicts_clean_blocks(daemon_factory):

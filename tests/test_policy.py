@@ -1,4 +1,5 @@
-"""Eviction policies: one contract every policy passes, then each policy's own behaviour."""
+"""Each eviction policy's own behaviour, the admission rule and the shared history (the contract
+every policy passes is in test_policy_contract.py)."""
 
 from __future__ import annotations
 
@@ -7,25 +8,11 @@ import random
 
 import pytest
 
-from tierkv.cache.policy import Admission, HeapPolicy, History, Policy, make_policy, policy_names
+from tierkv.cache.policy import Admission, HeapPolicy, History, make_policy, policy_names
 from tierkv.cache.policy.base import never
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def build(name: str, clock: FakeClock | None = None, future: dict | None = None, **settings) -> Policy:
-    clock = clock or FakeClock()
-    if name == "opt":
-        future = future if future is not None else {}
-        return make_policy(name, clock=clock, next_use=lambda k: future.get(k, math.inf), **settings)
-    return make_policy(name, clock=clock, **settings)
-
+from .helpers import FakeClock
+from .helpers import build_policy as build
 
 ALL = policy_names(oracles=True)
 
@@ -37,159 +24,6 @@ def test_registry_lists_every_policy():
         make_policy("nope")
     with pytest.raises(ValueError, match="next_use"):
         make_policy("opt")
-
-
-# -- the shared contract -----------------------------------------------------------------------
-
-def _populate(pol: Policy, rng: random.Random, clock: FakeClock, future: dict, n: int = 120) -> dict:
-    """Chains of blocks of mixed sizes, accessed in random order. Returns key -> (size, parent)."""
-    blocks: dict = {}
-    key = 0
-    while key < n:
-        parent = None
-        for _ in range(rng.randint(1, 6)):
-            size = rng.choice([1, 2, 4, 8])
-            future[key] = rng.random() * 100
-            pol.on_insert(key, size, parent)
-            pol.on_access(key)
-            blocks[key] = (size, parent)
-            parent = key
-            key += 1
-            clock.now += rng.random()
-    for _ in range(200):
-        k = rng.randrange(n)
-        clock.now += rng.random()
-        future[k] = rng.random() * 100
-        pol.on_access(k)
-    return blocks
-
-
-def _state(pol: Policy, keys) -> tuple:
-    return len(pol), tuple(k in pol for k in keys)
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_contract_victims_atomic_protected_and_pure(name):
-    rng, clock, future = random.Random(7), FakeClock(), {}
-    pol = build(name, clock, future)
-    blocks = _populate(pol, rng, clock, future)
-    keys = list(blocks)
-    children = {}
-    for k, (_, parent) in blocks.items():
-        if parent is not None:
-            children.setdefault(parent, []).append(k)
-    total = sum(s for s, _ in blocks.values())
-    for trial in range(60):
-        protected_set = set(rng.sample(keys, rng.randint(0, len(keys) // 2)))
-        nbytes = rng.randint(-2, total + 5)
-        before = _state(pol, keys)
-        out = pol.victims(nbytes, protected_set.__contains__)
-        assert _state(pol, keys) == before, "victims() must not change membership"
-        assert pol.victims(nbytes, protected_set.__contains__) == out, "victims() must be repeatable"
-        if nbytes <= 0:
-            assert out == []
-            continue
-
-        def has_protected_descendant(k, protected_set=protected_set):
-            stack = list(children.get(k, []))
-            while stack:
-                c = stack.pop()
-                if c in protected_set:
-                    return True
-                stack.extend(children.get(c, []))
-            return False
-        # every policy must manage when enough blocks are free and no protected block hangs below them
-        free_leafwise = sum(blocks[k][0] for k in keys if k not in protected_set and not has_protected_descendant(k))
-        if out is None:
-            assert nbytes > free_leafwise, f"trial {trial}: gave up although {free_leafwise} bytes were free"
-            continue
-        assert len(out) == len(set(out))
-        assert all(k in pol for k in out)
-        assert not protected_set.intersection(out), "a protected block was chosen"
-        assert sum(blocks[k][0] for k in out) >= nbytes
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_contract_capacity_respected(name):
-    """A tier that evicts what the policy names never exceeds its capacity."""
-    rng, clock, future = random.Random(3), FakeClock(), {}
-    pol = build(name, clock, future)
-    cap, used, sizes, live = 64, 0, {}, set()
-    next_key = 0
-    for step in range(1500):
-        clock.now += rng.random()
-        if live and rng.random() < 0.4:
-            k = rng.choice(sorted(live))
-            future[k] = step + rng.random() * 50
-            pol.on_access(k)
-            continue
-        size = rng.choice([1, 2, 3, 8])
-        key, next_key = next_key, next_key + 1
-        future[key] = step + rng.random() * 50
-        pinned = set(rng.sample(sorted(live), min(len(live), 3)))
-        need = used + size - cap
-        if need > 0:
-            out = pol.victims(need, pinned.__contains__)
-            if out is None:
-                continue  # the tier refuses the block; nothing changed
-            for v in out:
-                assert v not in pinned
-                pol.on_remove(v)
-                live.discard(v)
-                used -= sizes.pop(v)
-        pol.on_insert(key, size, None)
-        pol.on_access(key)
-        live.add(key)
-        sizes[key] = size
-        used += size
-        assert used <= cap
-        assert len(pol) == len(live)
-    for k in list(live):
-        pol.on_remove(k)
-    assert len(pol) == 0
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_contract_membership_and_settings(name):
-    pol = build(name)
-    assert len(pol) == 0 and "a" not in pol
-    pol.on_insert("a", 10)
-    pol.on_access("a")
-    pol.on_access("zzz")           # unknown keys are ignored
-    pol.on_remove("zzz")
-    pol.on_touch("a", 2.0)
-    pol.on_sharers("a", 3)
-    assert "a" in pol and len(pol) == 1
-    assert pol.victims(10) == ["a"]
-    assert pol.victims(11) is None
-    assert pol.victims(1, lambda k: True) is None
-    pol.on_remove("a")
-    assert "a" not in pol and len(pol) == 0
-    before = pol.settings()
-    with pytest.raises(ValueError):
-        pol.update(no_such_setting=1)
-    assert pol.settings() == before
-    for key, spec in type(pol).SETTINGS.items():
-        bad = "not-a-number" if not isinstance(spec.default, str) else 12345
-        with pytest.raises(ValueError, match=key):
-            pol.update(**{key: bad})
-        assert pol.settings() == before
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_contract_victims_stop_early(name):
-    """Freeing one block of many looks at a handful of blocks, not all of them."""
-    pol = build(name)
-    for k in range(5000):
-        pol.on_insert(k, 1, None)
-        pol.on_access(k)
-    calls = []
-
-    def protected(k):
-        calls.append(k)
-        return False
-    assert len(pol.victims(3, protected)) == 3
-    assert len(calls) < 50
 
 
 # -- behaviour of each policy ------------------------------------------------------------------

@@ -96,3 +96,46 @@ def test_remote_down_is_a_miss_not_an_error(daemon_factory, redis_factory):
         local = keys_for(cb, 3, seed=6)
         cb.put(local, rand_blocks(3, seed=6))  # the local tiers work on
         assert cb.lookup(local) == 3
+
+
+def _written_through(c, n: int, timeout: float = 30.0) -> float:
+    """Seconds until the daemon has written ``n`` blocks to the remote tier."""
+    t0 = time.perf_counter()
+    while c.stats()["tiers"]["remote"]["puts"] < n:
+        assert time.perf_counter() - t0 < timeout, c.stats()["tiers"]["remote"]
+        time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
+def _assert_paced(c, elapsed: float, rate: float) -> None:
+    link = c.stats()["transfer"]["links"]["host<->remote"]
+    assert link["rate"] == rate and link["bytes"] > 0 and link["wait_s"] > 0, link
+    sent = c.stats()["tiers"]["remote"]["bytes_in"]
+    burst = max(64 << 10, rate * 0.05)
+    assert elapsed >= (sent - burst) / rate * 0.8, (elapsed, sent)
+
+
+@need_redis
+def test_host_remote_budget_paces_write_through(daemon_factory, redis_server):
+    rate = 256e3
+    d = daemon_factory(["--remote", redis_server.url, "--remote-admission", "all"],
+                       env={"TIERKV_BUDGET_HOST_REMOTE": "256KB"})
+    with d.client() as c:
+        keys = keys_for(c, 64, seed=7)  # 512 KiB raw: about 1.5 s at 256 KB/s once encoded
+        t0 = time.perf_counter()
+        c.put(keys, rand_blocks(64, seed=7))
+        elapsed = time.perf_counter() - t0 + _written_through(c, 64)
+        _assert_paced(c, elapsed, rate)
+
+
+@need_redis
+def test_host_remote_budget_is_tunable(daemon_factory, redis_server):
+    d = daemon_factory(["--remote", redis_server.url, "--remote-admission", "all"])
+    r = CliRunner().invoke(main, ["tune", "--socket", d.socket, "budget.host_remote=256KB"])
+    assert r.exit_code == 0, r.output
+    with d.client() as c:
+        keys = keys_for(c, 64, seed=8)
+        t0 = time.perf_counter()
+        c.put(keys, rand_blocks(64, seed=8))
+        elapsed = time.perf_counter() - t0 + _written_through(c, 64)
+        _assert_paced(c, elapsed, 256e3)

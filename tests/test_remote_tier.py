@@ -12,17 +12,12 @@ import redis
 import torch
 
 import tierkv
+from tierkv.cache.policy.admission import admission_for
 from tierkv.codecs import encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
-from tierkv.tiers.remote import (
-    RemoteConfig,
-    RemoteTier,
-    make_admission,
-    parse_remote_url,
-    redact_url,
-    remote_key,
-)
+from tierkv.movers.remote import RemoteMover
+from tierkv.tiers.remote import RemoteConfig, RemoteTier, remote_key
 
 from . import redis_servers
 from .redis_servers import (
@@ -62,12 +57,16 @@ def keys(n: int, tag: str = "k") -> list[bytes]:
 
 
 def store(tier: RemoteTier, ks: list[bytes], raw: np.ndarray, codec: str = "lossless") -> list[bool]:
-    return tier.store_blocks([(FP, k, raw[i]) for i, k in enumerate(ks)], LAYOUT, codec=codec)
+    mover = RemoteMover(tier)
+    try:
+        return mover.store([(FP, k, raw[i]) for i, k in enumerate(ks)], LAYOUT, codec=codec)
+    finally:
+        mover.close()
 
 
 def fetch(tier: RemoteTier, ks: list[bytes]) -> tuple[list[bool], np.ndarray]:
     outs = np.zeros((len(ks), LAYOUT.block_bytes), np.uint8)
-    ok = tier.fetch_verified([(FP, k) for k in ks], LAYOUT, list(outs))
+    ok = RemoteMover(tier).fetch([(FP, k) for k in ks], LAYOUT, list(outs))
     return ok, outs
 
 
@@ -82,50 +81,31 @@ def wait_state(tier: RemoteTier, want: str, timeout: float = 10.0) -> None:
 # ---- no server needed ----------------------------------------------------------------------------------
 
 
-def test_urls_parse_and_redact():
-    t = parse_remote_url("redis://u:pw@127.0.0.1:6380/2")
-    assert not t.cluster and t.options["host"] == "127.0.0.1" and t.options["db"] == 2
-    assert t.options["username"] == "u" and t.options["password"] == "pw"
-    t = parse_remote_url("unix:///run/redis.sock?db=1")
-    assert t.options["path"] == "/run/redis.sock" and t.options["db"] == 1
-    t = parse_remote_url("rediss://h:7000/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.crt")
-    assert t.options["ssl_ca_certs"] == "/ca.crt"
-    t = parse_remote_url("redis+cluster://u:pw@a:7000,b:7001,[::1]:7002")
-    assert t.cluster and t.seeds == (("a", 7000), ("b", 7001), ("::1", 7002)) and t.options["password"] == "pw"
-    t = parse_remote_url("redis://a:7000", cluster=True)
-    assert t.cluster and t.seeds == (("a", 7000),)
-    for bad in ("http://a:1", "a:1", "redis+cluster://", "redis+cluster://a:7000/3", "redis+cluster://a:b"):
-        with pytest.raises(ValueError):
-            parse_remote_url(bad)
+@pytest.mark.parametrize("kw", [dict(admission="sometimes"), dict(max_batch=0), dict(batch_bytes=0),
+                                dict(max_value_bytes=0), dict(socket_timeout_s=0), dict(backoff_s=-1),
+                                dict(ttl_s=-1), dict(key_prefix=b""), dict(key_prefix=b"{tag}:"),
+                                dict(key_prefix="tierkv:")])
+def test_bad_settings_raise(kw):
     with pytest.raises(ValueError):
-        parse_remote_url("unix:///x.sock", cluster=True)
-    assert redact_url("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
-    assert "secret" not in redact_url("redis+cluster://:secret@a:1,b:2")
-    assert remote_key(FP, b"\x01\xff") == b"tierkv:" + FP.hex().encode() + b":01ff"
-    with pytest.raises(BadRequest):
-        remote_key(FP[:8], b"k")
-    with pytest.raises(BadRequest):
-        remote_key(FP, b"")
-    with pytest.raises(ValueError):
-        RemoteTier("redis://h:1", admission="sometimes")
-    with pytest.raises(ValueError):
-        RemoteConfig(url="redis://h:1", codec="nope").validate()
-    RemoteConfig(url="redis+cluster://a:1,b:2").validate()
+        RemoteTier("redis://127.0.0.1:1/0", **kw)
+
+
+def test_from_config():
+    with pytest.raises(ValueError, match="empty"):
+        RemoteTier.from_config(RemoteConfig())
+    t = RemoteTier.from_config(RemoteConfig(url="redis://u:pw@127.0.0.1:1/0", ttl_s=5, codec="int8"))
+    assert t.url == "redis://u:***@127.0.0.1:1/0" and t.ttl_ms == 5000 and t.codec == "int8"
 
 
 def test_admission_modes():
-    t = RemoteTier("redis://127.0.0.1:1/0", admission="reused")
-    assert not t.admit(uses=1) and t.admit(uses=2) and t.admit(uses=1, sharers=2) and t.admit(uses=1, pinned=True)
-    t.admission = "pinned"
-    assert not t.admit(uses=9, sharers=9) and t.admit(uses=1, pinned=True)
-    t.admission = "all"
-    assert t.admit(uses=1)
-    assert t.stats()["admitted"] == 5 and t.stats()["rejected"] == 2
-    a = make_admission("reused")
+    a = admission_for("reused")
     a.seen("x")
     assert not a.admit("x")
     a.seen("x")
-    assert a.admit("x") and make_admission("all").admit("y") and not make_admission("pinned").admit("y", sharers=5)
+    assert a.admit("x") and admission_for("all").admit("y") and not admission_for("pinned").admit("y", sharers=5)
+    assert admission_for("pinned").admit("y", pinned=True)
+    with pytest.raises(ValueError):
+        admission_for("sometimes")
 
 
 def test_nothing_connects_until_used_and_a_dead_remote_is_a_miss():
@@ -402,7 +382,7 @@ def test_tls(redis_factory, tmp_path):
 def test_caller_misuse_raises(redis_server):
     tier = RemoteTier(redis_server.url)
     with pytest.raises(BadRequest):
-        tier.fetch_verified([(FP, b"a")], LAYOUT, [])
+        RemoteMover(tier).fetch([(FP, b"a")], LAYOUT, [])
     with pytest.raises(BadRequest):
         tier.put_many([(b"short", b"a", b"x")])
     with pytest.raises(BadRequest):

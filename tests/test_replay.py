@@ -224,3 +224,23 @@ def test_load_trace_reads_files(trace_file):
     reqs = load_trace(trace_file)
     assert len(reqs) == 6 and reqs[2].timestamp_s == 2.0 and reqs[0].blocks == (0, 1)
     assert math.isclose(sum(r.input_tokens for r in reqs), 5072)
+
+
+def test_disk_writer_with_spare_bandwidth_writes_every_victim():
+    """The predicted rule is told when the disk writer has nothing queued: then every host victim is
+    written; while it is busy the rule decides (here it declines every block)."""
+    w = Workload(parse_trace([line(i * 1000, 512, [i]) for i in range(20)]))
+
+    def writes(bw: float) -> int:
+        tiers = [TierSpec("host", PAGE), TierSpec("disk", 50 * PAGE, admission="predicted", inclusive=True,
+                                                  write_bytes_per_s=bw)]
+        cfg = ReplayConfig(tiers=tiers, kv_bytes_per_token=1, admission_settings={"write_s": 10.0})
+        return replay(w, "lru", cfg).disk_writes_bytes // PAGE
+
+    assert writes(0.0) == 0          # not modelled: the rule alone, and it declines
+    assert writes(1e9) == 19         # an idle writer takes every victim
+    assert 3 <= writes(PAGE / 5.0) <= 5  # five seconds a block: one victim in five finds it idle
+    with pytest.raises(ValueError, match="write_bytes_per_s"):
+        TierSpec("disk", PAGE, write_bytes_per_s=-1.0)
+    res = CliRunner().invoke(replay_cmd, ["/dev/null", "--disk-capacity", "10%", "--disk-write-bw", "fast"])
+    assert res.exit_code != 0 and "not a size" in res.output

@@ -9,7 +9,7 @@ every pass and each row reports its best and median GB/s of raw (logical) bytes.
 - references: redis-py pipelined SET / GET of the raw bytes (memoryviews, pure-Python packer, same
   pipeline depth as the tier), GET plus a copy into a destination buffer, the default hiredis packer when
   hiredis is installed; numpy memcpy of the same bytes (the host tier's stand-in);
-- the tier: put = encode (container + checksum) + pipelined SET; put of blobs already encoded (a block
+- the tier: put = encode (container + checksum, the remote mover) + pipelined SET; put of blobs already encoded (a block
   the disk tier encoded); get = pipelined GET + verify + decode into the caller's buffers.
 
 Usage: python tools/bench_remote.py [--reps 3] [--codecs raw,lossless] [--json bench-results/bench_remote.json]
@@ -28,7 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis
@@ -42,6 +44,7 @@ from bench_tiers import kv_blocks  # noqa: E402
 import tierkv  # noqa: E402
 from tierkv.codecs import encode_block  # noqa: E402
 from tierkv.core.keys import Namespace  # noqa: E402
+from tierkv.movers.remote import RemoteMover  # noqa: E402
 from tierkv.tiers.remote import RemoteTier  # noqa: E402
 
 LLAMA = tierkv.Layout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16, dtype="bfloat16")
@@ -114,102 +117,119 @@ def main() -> None:
     print(f"wrote {args.json}")
 
 
-def run(url: str, admin: redis.Redis, args) -> dict:
-    bb = LLAMA.block_bytes
-    data = kv_blocks(N).view(torch.uint8).numpy().reshape(N, bb)
-    fp = Namespace("bench", LLAMA).fingerprint
-    keys = [b"%08d" % i for i in range(N)]
-    rkeys = [b"raw:%08d" % i for i in range(N)]
-    views = [memoryview(data[i]) for i in range(N)]
-    dst = np.empty_like(data)
-    dst.fill(0)  # fault the pages in now, not inside a timed pass
-    big_src = data.reshape(-1)
-    big_dst = dst.reshape(-1)
-    B = args.batch
-    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-    raw_client = redis.Redis.from_url(url, protocol=2, command_packer=packer)
-    try:
-        import hiredis  # noqa: F401
+class Bench:
+    """The data, clients and tier of one run, and each measured operation (one pass over every block)."""
 
-        hiredis_client = redis.Redis.from_url(url, protocol=2)  # default packer: hiredis when installed
-    except ImportError:
-        hiredis_client = None
-    tier = RemoteTier(url, max_batch=B, socket_timeout_s=10.0)
-    codecs = [c for c in args.codecs.split(",") if c]
-    encoded = {c: [encode_block(data[i], layout=LLAMA, fingerprint=fp, key=keys[i], codec=c) for i in range(N)]
-               for c in codecs}
-    sizes = {c: sum(len(b) for b in encoded[c]) for c in codecs}
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        bb = LLAMA.block_bytes
+        self.url, self.B = url, args.batch
+        self.data = kv_blocks(N).view(torch.uint8).numpy().reshape(N, bb)
+        self.fp = Namespace("bench", LLAMA).fingerprint
+        self.keys = [b"%08d" % i for i in range(N)]
+        self.rkeys = [b"raw:%08d" % i for i in range(N)]
+        self.views = [memoryview(self.data[i]) for i in range(N)]
+        self.dst = np.empty_like(self.data)
+        self.dst.fill(0)  # fault the pages in now, not inside a timed pass
+        packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        self.raw_client = redis.Redis.from_url(url, protocol=2, command_packer=packer)
+        try:
+            import hiredis  # noqa: F401
 
-    def redis_set(client: redis.Redis) -> None:
-        for i in range(0, N, B):
+            self.hiredis_client: redis.Redis | None = redis.Redis.from_url(url, protocol=2)  # hiredis packer
+        except ImportError:
+            self.hiredis_client = None
+        self.tier = RemoteTier(url, max_batch=self.B, socket_timeout_s=10.0)
+        self.mover = RemoteMover(self.tier)
+        self.codecs = [c for c in args.codecs.split(",") if c]
+        self.encoded = {c: [encode_block(self.data[i], layout=LLAMA, fingerprint=self.fp, key=self.keys[i], codec=c)
+                            for i in range(N)] for c in self.codecs}
+
+    def redis_set(self, client: redis.Redis) -> None:
+        for i in range(0, N, self.B):
             p = client.pipeline(transaction=False)
-            for j in range(i, min(N, i + B)):
-                p.set(rkeys[j], views[j])
+            for j in range(i, min(N, i + self.B)):
+                p.set(self.rkeys[j], self.views[j])
             p.execute()
 
-    def redis_get(copy: bool) -> None:
-        for i in range(0, N, B):
-            p = raw_client.pipeline(transaction=False)
-            for j in range(i, min(N, i + B)):
-                p.get(rkeys[j])
+    def redis_get(self, copy: bool) -> None:
+        for i in range(0, N, self.B):
+            p = self.raw_client.pipeline(transaction=False)
+            for j in range(i, min(N, i + self.B)):
+                p.get(self.rkeys[j])
             vals = p.execute()
             if copy:
-                for j, v in zip(range(i, min(N, i + B)), vals):
-                    np.copyto(dst[j], np.frombuffer(v, np.uint8))
+                for j, v in zip(range(i, min(N, i + self.B)), vals):
+                    np.copyto(self.dst[j], np.frombuffer(v, np.uint8))
 
-    def memcpy_pieces() -> None:
+    def memcpy_pieces(self) -> None:
         for i in range(N):
-            np.copyto(dst[i], data[i])
+            np.copyto(self.dst[i], self.data[i])
 
-    def tier_store(codec: str) -> None:
-        ok = tier.store_blocks([(fp, keys[i], data[i]) for i in range(N)], LLAMA, codec=codec)
-        assert all(ok), tier.state()
+    def memcpy_all(self) -> None:
+        np.copyto(self.dst.reshape(-1), self.data.reshape(-1))
 
-    def tier_put_encoded(codec: str) -> None:
-        ok = tier.put_many([(fp, keys[i], encoded[codec][i]) for i in range(N)])
-        assert all(ok), tier.state()
+    def tier_store(self, codec: str) -> None:
+        ok = self.mover.store([(self.fp, self.keys[i], self.data[i]) for i in range(N)], LLAMA, codec=codec)
+        assert all(ok), self.tier.state()
 
-    def tier_fetch() -> None:
-        ok = tier.fetch_verified([(fp, k) for k in keys], LLAMA, list(dst))
-        assert all(ok), tier.stats()
+    def tier_put_encoded(self, codec: str) -> None:
+        ok = self.tier.put_many([(self.fp, self.keys[i], self.encoded[codec][i]) for i in range(N)])
+        assert all(ok), self.tier.state()
 
-    def tier_get_raw_values() -> None:
-        vals = tier.get_many([(fp, k) for k in keys])
+    def tier_fetch(self) -> None:
+        ok = self.mover.fetch([(self.fp, k) for k in self.keys], LLAMA, list(self.dst))
+        assert all(ok), self.tier.stats()
+
+    def tier_get_raw_values(self) -> None:
+        vals = self.tier.get_many([(self.fp, k) for k in self.keys])
         assert all(v is not None for v in vals)
 
+    def one_pass(self, add: Callable[..., None], flush: Callable[[], Any]) -> None:
+        """Every row once, interleaved."""
+        add("memcpy 512 MiB", self.memcpy_all)
+        add("memcpy 2 MiB pieces", self.memcpy_pieces)
+        add("redis-py SET (python packer)", lambda: self.redis_set(self.raw_client), flush)
+        if self.hiredis_client is not None:
+            add("redis-py SET (hiredis packer)", lambda: self.redis_set(self.hiredis_client), flush)
+            self.redis_set(self.raw_client)
+        add("redis-py GET", lambda: self.redis_get(False))
+        add("redis-py GET + copy into buffer", lambda: self.redis_get(True))
+        for c in self.codecs:
+            add(f"tier put, encode {c} + SET", lambda c=c: self.tier_store(c), flush)
+            add(f"tier put, pre-encoded {c} blobs", lambda c=c: self.tier_put_encoded(c), flush)
+            add(f"tier get, GET + verify + decode {c}", self.tier_fetch)
+            if c == self.codecs[0]:
+                add(f"tier get_many, unverified {c} values", self.tier_get_raw_values)
+            assert np.array_equal(self.dst, self.data), "decoded blocks differ"
+
+    def close(self) -> dict:
+        """Stop the tier; its stats."""
+        st = self.tier.stats()
+        self.mover.close()
+        self.tier.close()
+        return st
+
+
+def run(url: str, admin: redis.Redis, args: argparse.Namespace) -> dict:
+    bench = Bench(url, args)
     rows: dict[str, list[float]] = {}
 
-    def add(name: str, fn, before=None) -> None:
+    def add(name: str, fn: Callable[[], None], before: Callable[[], Any] | None = None) -> None:
         if before is not None:
             before()
         rows.setdefault(name, []).append(timed(fn))
 
-    flush = admin.flushall
     for rep in range(args.reps + 1):  # the first pass warms the server's allocator and is not kept
-        add("memcpy 512 MiB", lambda: np.copyto(big_dst, big_src))
-        add("memcpy 2 MiB pieces", memcpy_pieces)
-        add("redis-py SET (python packer)", lambda: redis_set(raw_client), flush)
-        if hiredis_client is not None:
-            add("redis-py SET (hiredis packer)", lambda: redis_set(hiredis_client), flush)
-            redis_set(raw_client)
-        add("redis-py GET", lambda: redis_get(False))
-        add("redis-py GET + copy into buffer", lambda: redis_get(True))
-        for c in codecs:
-            add(f"tier put, encode {c} + SET", lambda c=c: tier_store(c), flush)
-            add(f"tier put, pre-encoded {c} blobs", lambda c=c: tier_put_encoded(c), flush)
-            add(f"tier get, GET + verify + decode {c}", tier_fetch)
-            if c == codecs[0]:
-                add(f"tier get_many, unverified {c} values", tier_get_raw_values)
-            assert np.array_equal(dst, data), "decoded blocks differ"
+        bench.one_pass(add, admin.flushall)
         if rep == 0:
             rows.clear()
         print(f"pass {rep} done", flush=True)
-    st = tier.stats()
-    tier.close()
+    st = bench.close()
     info = admin.info("server")
-    return {"blocks": N, "block_bytes": bb, "data": kv_blocks.source,  # type: ignore[attr-defined]
-            "batch": B, "reps": args.reps, "server": f"{info.get('redis_version')} ({url.split('@')[-1]})",
-            "redis_py": redis.__version__, "hiredis": hiredis_client is not None, "codecs": codecs,
+    sizes = {c: sum(len(b) for b in bench.encoded[c]) for c in bench.codecs}
+    return {"blocks": N, "block_bytes": LLAMA.block_bytes, "data": kv_blocks.source,  # type: ignore[attr-defined]
+            "batch": bench.B, "reps": args.reps, "server": f"{info.get('redis_version')} ({url.split('@')[-1]})",
+            "redis_py": redis.__version__, "hiredis": bench.hiredis_client is not None, "codecs": bench.codecs,
             "stored_bytes": sizes, "rows": {k: stat(v) for k, v in rows.items()}, "tier_stats": st,
             "cpus": os.cpu_count()}
 

@@ -207,11 +207,11 @@ def lmdb_ref(tmp: Path, reps: int) -> dict:
     off) of incompressible 2 MiB values into a
     preallocated file, with the daemon's allocator tunables: the ceiling of any LMDB-backed tier on this
     disk. Also its CPU seconds per GB written (the writer's share of the cores)."""
-    from tierkv.ops.cli import _TUNABLES
+    from tierkv.daemon.allocator import TUNABLES
 
     d = tmp / "lmdb-ref"
     d.mkdir()
-    env = dict(os.environ, GLIBC_TUNABLES=_TUNABLES)
+    env = dict(os.environ, GLIBC_TUNABLES=TUNABLES)
     out = subprocess.run([sys.executable, "-c", _LMDB_REF, str(d), str(reps)], env=env, capture_output=True,
                          text=True, check=True).stdout.splitlines()
     shutil.rmtree(d, ignore_errors=True)

@@ -38,7 +38,7 @@ import torch
 
 from tierkv.integrations.model import load_model, sidecar_threads
 from tierkv.integrations.transformers import attach, plain_generate
-from tierkv.ops.demo import SYSTEM
+from tierkv.ops.conversation import SYSTEM
 from tierkv.ops.mainjob import start_daemon, stop_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--suffix", type=int, default=32)
@@ -153,85 +153,87 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=sidecar_threads(),
                     help="torch threads (default: one core fewer than the machine, left to the daemon)")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "bench_ttft.json"))
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    load0 = os.getloadavg()
+    return ap.parse_args()
 
-    tok, model = load_model(attn_implementation=args.attn)
-    work = Path(tempfile.mkdtemp(prefix="tkvb-", dir="/tmp"))
-    os.chmod(work, 0o700)
-    daemon = Daemon(work, host="1GiB", disk="4GiB")
-    daemon.start()
-    res: dict = {"sizes": {}, "config": vars(args)}
-    try:
-        prefixes = {p: make_prefix(tok, p) for p in args.sizes}
-        rows = {p: {k: [] for k in ("recompute", "host", "host_load", "host_prefill", "disk", "disk_load",
-                                    "disk_prefill")} for p in args.sizes}
-        # Store every prefix once (a cold request through tierkv).
-        with attach(model, daemon.socket, model_id=MODEL_ID) as lm:
-            for p in args.sizes:
-                lm.generate(prefixes[p], 1)
-        # Each repetition restarts the daemon, which leaves every prefix on disk only (the data files
-        # are dropped from the page cache while it is down; fincore tells what its start-up brought
-        # back before the first read). Then per size, back to back so background load hits all three
-        # alike: the prefix from disk (which promotes it), recompute, the prefix from host; the suffixes
-        # are new, so each tierkv run computes exactly the suffix.
-        resident = []
-        for r in range(args.reps):
-            daemon.stop()
-            daemon.drop_page_cache()
-            dropped = daemon.resident_bytes()
-            daemon.start()
-            before = daemon.resident_bytes()
-            with attach(model, daemon.socket, model_id=MODEL_ID) as lm:
-                resident.append({"after_fadvise": dropped, "before_reads": before,
-                                 "disk_tier_bytes": lm.client.stats()["tiers"]["disk"]["used_bytes"]})
-                for p in args.sizes:
-                    for tier in ("disk", "recompute", "host"):
-                        # recompute and host run the same prompt (recompute stores nothing)
-                        tag = "disk" if tier == "disk" else "host"
-                        ids = prefixes[p] + make_suffix(tok, p, f"{tag}{r}", args.suffix)
-                        if tier == "recompute":
-                            ref = plain_generate(model, ids, 1)
-                            ref.run()
-                            rows[p]["recompute"].append(ref.stats.ttft_s)
-                            continue
-                        gen = lm.generate(ids, 1)
-                        assert gen.stats.cached_tokens == p, gen.stats
-                        assert gen.stats.cached_blocks_by_tier == {tier: p // 16}, gen.stats
-                        rows[p][tier].append(gen.stats.ttft_s)
-                        rows[p][f"{tier}_load"].append(gen.stats.load_s)
-                        rows[p][f"{tier}_prefill"].append(gen.stats.prefill_s)
-                    assert gen.tokens == ref.tokens, "first token with tierkv differs from recompute"
 
-        # decode speed: the plain loop against the attached loop (prefix cached), advanced in lockstep,
-        # one token each in turn, so background load on this shared machine hits both alike.
-        dec_ids = prefixes[max(args.sizes)][:args.decode_prefix]
-        dec = {"plain": [], "attached": [], "attached_touches": [], "attached_stored": [], "same_tokens": []}
-        with attach(model, daemon.socket, model_id=MODEL_ID) as lm:
-            lm.generate(dec_ids, 1)
-            for r in range(args.reps):
-                ids = dec_ids + make_suffix(tok, 0, f"d{r}", args.suffix)
-                ref = plain_generate(model, ids, args.decode_tokens, eos_token_id=[])
-                gen = lm.stream(ids, args.decode_tokens, eos_token_id=[])
-                plain_s, att_s = lockstep(ref, gen)
-                steps = args.decode_tokens - 1
-                dec["plain"].append(steps / plain_s)
-                dec["attached"].append(steps / att_s)
-                dec["same_tokens"].append(gen.tokens == ref.tokens)
-                dec["attached_touches"].append(gen.stats.touches)
-                dec["attached_stored"].append(gen.stats.stored_blocks)
-            stats = lm.client.stats()
-    finally:
+def ttft_rows(model, tok, daemon: Daemon, prefixes: dict[int, list[int]], args: argparse.Namespace
+              ) -> tuple[dict, list[dict]]:
+    """TTFT samples per prefix size and tier, and the disk files' page-cache residency per repetition."""
+    rows = {p: {k: [] for k in ("recompute", "host", "host_load", "host_prefill", "disk", "disk_load",
+                                "disk_prefill")} for p in args.sizes}
+    # Store every prefix once (a cold request through tierkv).
+    with attach(model, daemon.socket, model_id=MODEL_ID) as lm:
+        for p in args.sizes:
+            lm.generate(prefixes[p], 1)
+    # Each repetition restarts the daemon, which leaves every prefix on disk only (the data files
+    # are dropped from the page cache while it is down; fincore tells what its start-up brought
+    # back before the first read).
+    resident = []
+    for r in range(args.reps):
         daemon.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        daemon.drop_page_cache()
+        dropped = daemon.resident_bytes()
+        daemon.start()
+        before = daemon.resident_bytes()
+        with attach(model, daemon.socket, model_id=MODEL_ID) as lm:
+            resident.append({"after_fadvise": dropped, "before_reads": before,
+                             "disk_tier_bytes": lm.client.stats()["tiers"]["disk"]["used_bytes"]})
+            for p in args.sizes:
+                ttft_of_size(model, tok, lm, prefixes[p], rows[p], p, r, args)
+    return rows, resident
 
+
+def ttft_of_size(model, tok, lm, prefix: list[int], row: dict, p: int, r: int, args: argparse.Namespace) -> None:
+    """Back to back so background load hits all three alike: the prefix from disk (which promotes it),
+    recompute, the prefix from host; the suffixes are new, so each tierkv run computes exactly the suffix."""
+    for tier in ("disk", "recompute", "host"):
+        # recompute and host run the same prompt (recompute stores nothing)
+        tag = "disk" if tier == "disk" else "host"
+        ids = prefix + make_suffix(tok, p, f"{tag}{r}", args.suffix)
+        if tier == "recompute":
+            ref = plain_generate(model, ids, 1)
+            ref.run()
+            row["recompute"].append(ref.stats.ttft_s)
+            continue
+        gen = lm.generate(ids, 1)
+        assert gen.stats.cached_tokens == p, gen.stats
+        assert gen.stats.cached_blocks_by_tier == {tier: p // 16}, gen.stats
+        row[tier].append(gen.stats.ttft_s)
+        row[f"{tier}_load"].append(gen.stats.load_s)
+        row[f"{tier}_prefill"].append(gen.stats.prefill_s)
+    assert gen.tokens == ref.tokens, "first token with tierkv differs from recompute"
+
+
+def decode_rows(model, tok, daemon: Daemon, dec_ids: list[int], args: argparse.Namespace) -> tuple[dict, dict]:
+    """Decode speed: the plain loop against the attached loop (prefix cached), advanced in lockstep,
+    one token each in turn, so background load on this shared machine hits both alike. Also returns
+    the daemon's stats at the end."""
+    dec = {"plain": [], "attached": [], "attached_touches": [], "attached_stored": [], "same_tokens": []}
+    with attach(model, daemon.socket, model_id=MODEL_ID) as lm:
+        lm.generate(dec_ids, 1)
+        for r in range(args.reps):
+            ids = dec_ids + make_suffix(tok, 0, f"d{r}", args.suffix)
+            ref = plain_generate(model, ids, args.decode_tokens, eos_token_id=[])
+            gen = lm.stream(ids, args.decode_tokens, eos_token_id=[])
+            plain_s, att_s = lockstep(ref, gen)
+            steps = args.decode_tokens - 1
+            dec["plain"].append(steps / plain_s)
+            dec["attached"].append(steps / att_s)
+            dec["same_tokens"].append(gen.tokens == ref.tokens)
+            dec["attached_touches"].append(gen.stats.touches)
+            dec["attached_stored"].append(gen.stats.stored_blocks)
+        return dec, lm.client.stats()
+
+
+def report_ttft(rows: dict, args: argparse.Namespace) -> dict:
+    """Print the TTFT table; returns its figures per prefix size."""
     print(f"\nTTFT, SmolLM2-135M-Instruct float32 on CPU ({args.threads} torch threads, {args.attn} attention), "
           f"prefix + {args.suffix} new tokens, median of {args.reps}")
     hdr = (f"{'prefix':>7} {'recompute':>10} {'host':>9} {'ratio':>6} {'disk':>9} {'ratio':>6}   "
            "host: load+compute   disk: load+compute")
     print(hdr)
     print("-" * len(hdr))
+    sizes = {}
     for p in args.sizes:
         r = rows[p]
         m = {k: median(v) for k, v in r.items()}
@@ -242,22 +244,49 @@ def main() -> None:
         if p >= 1024:
             fig["host_target_met"] = fig["host_ratio"] <= 0.1
             fig["disk_target_met"] = fig["disk_ratio"] <= 0.2
-        res["sizes"][str(p)] = fig
+        sizes[str(p)] = fig
         print(f"{p:>7} {m['recompute'] * 1e3:8.0f}ms {m['host'] * 1e3:7.0f}ms {fig['host_ratio']:6.3f} "
               f"{m['disk'] * 1e3:7.0f}ms {fig['disk_ratio']:6.3f}   {m['host_load'] * 1e3:4.0f} + "
               f"{m['host_prefill'] * 1e3:4.0f} ms       {m['disk_load'] * 1e3:4.0f} + {m['disk_prefill'] * 1e3:4.0f} ms")
+    return sizes
+
+
+def report_decode(dec: dict, prompt_tokens: int, args: argparse.Namespace) -> dict:
+    """Print the decode line; returns its figures."""
     plain_tps, att_tps = median(dec["plain"]), median(dec["attached"])
-    res["decode"] = {"prompt_tokens": len(dec_ids) + args.suffix, "new_tokens": args.decode_tokens,
-                     "plain_tokens_per_s": plain_tps, "attached_tokens_per_s": att_tps,
-                     "ratio": att_tps / plain_tps, "target_met": att_tps / plain_tps >= 0.95, "raw": dec}
-    res["disk_page_cache"] = resident
-    res["env"] = {"torch": torch.__version__, "python": platform.python_version(),
-                  "cpu": platform.processor(), "threads": args.threads, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
-    res["daemon_stats"] = stats
-    print(f"\ndecode, {len(dec_ids) + args.suffix}-token prompt, {args.decode_tokens} new tokens: plain "
+    print(f"\ndecode, {prompt_tokens}-token prompt, {args.decode_tokens} new tokens: plain "
           f"{plain_tps:.2f} tok/s, attached {att_tps:.2f} tok/s (ratio {att_tps / plain_tps:.3f}; "
           f"{median(dec['attached_touches']):.0f} touches, "
           f"{median(dec['attached_stored']):.0f} blocks stored)")
+    return {"prompt_tokens": prompt_tokens, "new_tokens": args.decode_tokens,
+            "plain_tokens_per_s": plain_tps, "attached_tokens_per_s": att_tps,
+            "ratio": att_tps / plain_tps, "target_met": att_tps / plain_tps >= 0.95, "raw": dec}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()
+    tok, model = load_model(attn_implementation=args.attn)
+    work = Path(tempfile.mkdtemp(prefix="tkvb-", dir="/tmp"))
+    os.chmod(work, 0o700)
+    daemon = Daemon(work, host="1GiB", disk="4GiB")
+    daemon.start()
+    try:
+        prefixes = {p: make_prefix(tok, p) for p in args.sizes}
+        rows, resident = ttft_rows(model, tok, daemon, prefixes, args)
+        dec_ids = prefixes[max(args.sizes)][:args.decode_prefix]
+        dec, stats = decode_rows(model, tok, daemon, dec_ids, args)
+    finally:
+        daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    res: dict = {"config": vars(args), "sizes": report_ttft(rows, args),
+                 "decode": report_decode(dec, len(dec_ids) + args.suffix, args), "disk_page_cache": resident,
+                 "env": {"torch": torch.__version__, "python": platform.python_version(),
+                         "cpu": platform.processor(), "threads": args.threads, "loadavg_start": load0,
+                         "loadavg_end": os.getloadavg()},
+                 "daemon_stats": stats}
     print("disk data files in the page cache (fincore): "
           + "; ".join(f"{x['after_fadvise']} B after fadvise, {x['before_reads']} B when the restarted daemon "
                       f"was ready (the disk tier holds {x['disk_tier_bytes']} B)" for x in resident))

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ import torch
 import tierkv
 from tierkv.client.admin import request
 from tierkv.core.errors import ConnectionFailed, KeyMissing, TierKVError
-from tierkv.ops.cli import _TUNABLES
+from tierkv.daemon.allocator import TUNABLES
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = tierkv.Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks
@@ -74,7 +75,7 @@ class Daemon:
     def start(self) -> float:
         cmd = [sys.executable, "-m", "tierkv", "serve", "--socket", self.socket, "--data-dir", str(self.data_dir),
                *self.extra]
-        env = dict(os.environ, GLIBC_TUNABLES=_TUNABLES, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, GLIBC_TUNABLES=TUNABLES, PYTHONUNBUFFERED="1")
         t0 = time.monotonic()
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -149,7 +150,7 @@ def check(c: tierkv.Client, keys: list[bytes], layout: tierkv.Layout) -> tuple[l
     return missing, wrong
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--loops", type=int, default=50)
     ap.add_argument("--writers", type=int, default=4)
@@ -161,85 +162,113 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the data dir and daemon log")
     ap.add_argument("--chunk-blocks", type=int, default=0,
                     help="stream durable puts in chunks of this many blocks (COMMIT without wait, then SYNC)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+@dataclass
+class Tally:
+    """What the writers acknowledged and attempted, and what the checks found, across loops."""
+
+    acked: list[bytes] = field(default_factory=list)
+    attempted: set[bytes] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    starts: list[float] = field(default_factory=list)
+    lost: list[bytes] = field(default_factory=list)
+    wrong: list[bytes] = field(default_factory=list)
+    unacked_whole: int = 0
+    unacked_absent: int = 0
+    corrupt_at_scan: int = 0
+    readers_max: int = 0
+    checked_upto: int = 0
+
+
+def check_after_restart(d: Daemon, t: Tally, layout: tierkv.Layout, rng: random.Random) -> None:
+    """Every ack since the last check, a sample of older ones, and each unacknowledged write once."""
+    with tierkv.Client.connect(d.socket, model=MODEL, layout=layout) as c:
+        new = t.acked[t.checked_upto:]
+        old = rng.sample(t.acked[:t.checked_upto], min(256, t.checked_upto))
+        m, w = check(c, new + old, layout)
+        t.lost += m
+        t.wrong += w
+        t.checked_upto = len(t.acked)
+        acked_set = set(t.acked)
+        pending = [k for k in t.attempted if k not in acked_set]
+        for k in pending:
+            if c.lookup([k]):
+                if check(c, [k], layout) == ([], []):
+                    t.unacked_whole += 1
+                else:
+                    t.wrong.append(k)
+            else:
+                t.unacked_absent += 1
+        t.attempted -= set(pending)  # an unacknowledged key is judged once
+    st = request(d.socket, "STATS")
+    t.corrupt_at_scan += st["tiers"]["disk"]["corrupt"]
+    t.readers_max = max(t.readers_max, st["tiers"]["disk"]["readers"])
+
+
+def write_then_kill(d: Daemon, t: Tally, loop: int, layout: tierkv.Layout, rng: random.Random,
+                    args: argparse.Namespace) -> None:
+    """Run the writers for a random window, SIGKILL the daemon, and start it again."""
+    stop = threading.Event()
+    ws = [threading.Thread(target=writer, args=(d.socket, f"{loop}/{i}", layout, t.acked, t.attempted, t.lock, stop))
+          for i in range(args.writers)]
+    for w in ws:
+        w.start()
+    time.sleep(rng.uniform(args.min_s, args.max_s))
+    d.kill()
+    stop.set()
+    for w in ws:
+        w.join(60)
+    t.starts.append(d.start())
+    print(f"loop {loop + 1}/{args.loops}: {len(t.acked)} acks so far, restart {t.starts[-1]:.2f}s", flush=True)
+
+
+def summary(t: Tally, d: Daemon, final: tuple[list[bytes], list[bytes]], scrub: dict, rc: int,
+            shm_before: set[str], layout: tierkv.Layout, args: argparse.Namespace, seconds: float) -> dict:
+    scans = [float(x) for x in re.findall(r"scanned in ([0-9.]+)s", d.log.read_text())]
+    shm_after = {n for n in os.listdir("/dev/shm") if n.startswith("tierkv")}
+    res = {
+        "loops": args.loops, "writers": args.writers, "block_bytes": layout.block_bytes,
+        "acked_blocks": len(t.acked), "lost": len(t.lost), "wrong": len(t.wrong), "final_lost": len(final[0]),
+        "final_wrong": len(final[1]), "unacked_found_whole": t.unacked_whole, "unacked_absent": t.unacked_absent,
+        "dropped_as_corrupt_at_start": t.corrupt_at_scan, "scrub_checked": scrub["checked"],
+        "scrub_bad": len(scrub["bad"]), "max_reader_slots": t.readers_max,
+        "restart_s_median": round(statistics.median(t.starts), 3), "restart_s_max": round(max(t.starts), 3),
+        "scan_s_max": max(scans, default=0.0), "shm_leftovers": sorted(shm_after - shm_before),
+        "final_sigterm_rc": rc, "seconds": round(seconds, 1),
+    }
+    res["pass"] = not (t.lost or t.wrong or final[0] or final[1] or scrub["bad"] or t.corrupt_at_scan
+                       or res["shm_leftovers"])
+    return res
+
+
+def main() -> int:
+    args = parse_args()
     layout = LARGE if args.large else SMALL
     if args.chunk_blocks:
         importlib.import_module("tierkv.client.client").DURABLE_CHUNK_BYTES = args.chunk_blocks * layout.block_bytes
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="tierkv-crashloop-"))
     d = Daemon(work, ["--host-capacity", "256MiB", "--disk-capacity", "4GiB", "--slab-bytes", "8MiB"])
-    acked: list[bytes] = []
-    attempted: set[bytes] = set()
-    lock = threading.Lock()
-    starts: list[float] = []
-    lost: list[bytes] = []
-    wrong: list[bytes] = []
-    unacked_whole = unacked_absent = corrupt_at_scan = 0
-    readers_max = 0
+    t = Tally()
     shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("tierkv")}
     t_begin = time.monotonic()
     try:
-        starts.append(d.start())
-        checked_upto = 0
+        t.starts.append(d.start())
         for loop in range(args.loops + 1):
-            with tierkv.Client.connect(d.socket, model=MODEL, layout=layout) as c:
-                new = acked[checked_upto:]
-                old = rng.sample(acked[:checked_upto], min(256, checked_upto))
-                m, w = check(c, new + old, layout)
-                lost += m
-                wrong += w
-                checked_upto = len(acked)
-                acked_set = set(acked)
-                pending = [k for k in attempted if k not in acked_set]
-                for k in pending:
-                    if c.lookup([k]):
-                        if check(c, [k], layout) == ([], []):
-                            unacked_whole += 1
-                        else:
-                            wrong.append(k)
-                    else:
-                        unacked_absent += 1
-                attempted -= set(pending)  # an unacknowledged key is judged once
-            st = request(d.socket, "STATS")
-            corrupt_at_scan += st["tiers"]["disk"]["corrupt"]
-            readers_max = max(readers_max, st["tiers"]["disk"]["readers"])
+            check_after_restart(d, t, layout, rng)
             if loop == args.loops:
                 break
-            stop = threading.Event()
-            ws = [threading.Thread(target=writer, args=(d.socket, f"{loop}/{i}", layout, acked, attempted, lock, stop))
-                  for i in range(args.writers)]
-            for t in ws:
-                t.start()
-            time.sleep(rng.uniform(args.min_s, args.max_s))
-            d.kill()
-            stop.set()
-            for t in ws:
-                t.join(60)
-            starts.append(d.start())
-            print(f"loop {loop + 1}/{args.loops}: {len(acked)} acks so far, restart {starts[-1]:.2f}s", flush=True)
+            write_then_kill(d, t, loop, layout, rng, args)
         with tierkv.Client.connect(d.socket, model=MODEL, layout=layout) as c:
-            m, w = check(c, acked, layout)
-        final_lost, final_wrong = len(m), len(w)
+            final = check(c, t.acked, layout)
         scrub = request(d.socket, "VERIFY", {"drop": False})
         rc = d.stop()
     finally:
         if d.proc is not None:
             d.kill()
-    scans = [float(x) for x in re.findall(r"scanned in ([0-9.]+)s", d.log.read_text())]
-    shm_after = {n for n in os.listdir("/dev/shm") if n.startswith("tierkv")}
-    res = {
-        "loops": args.loops, "writers": args.writers, "block_bytes": layout.block_bytes,
-        "acked_blocks": len(acked), "lost": len(lost), "wrong": len(wrong), "final_lost": final_lost,
-        "final_wrong": final_wrong, "unacked_found_whole": unacked_whole, "unacked_absent": unacked_absent,
-        "dropped_as_corrupt_at_start": corrupt_at_scan, "scrub_checked": scrub["checked"],
-        "scrub_bad": len(scrub["bad"]), "max_reader_slots": readers_max,
-        "restart_s_median": round(statistics.median(starts), 3), "restart_s_max": round(max(starts), 3),
-        "scan_s_max": max(scans, default=0.0), "shm_leftovers": sorted(shm_after - shm_before),
-        "final_sigterm_rc": rc, "seconds": round(time.monotonic() - t_begin, 1),
-    }
-    ok = not (lost or wrong or final_lost or final_wrong or scrub["bad"] or corrupt_at_scan or res["shm_leftovers"])
-    res["pass"] = ok
+    res = summary(t, d, final, scrub, rc, shm_before, layout, args, time.monotonic() - t_begin)
     width = max(len(k) for k in res)
     print()
     for k, v in res.items():
@@ -252,7 +281,7 @@ def main() -> int:
         shutil.rmtree(d.sockdir, ignore_errors=True)
     else:
         print(f"kept {work}")
-    return 0 if ok else 1
+    return 0 if res["pass"] else 1
 
 
 if __name__ == "__main__":

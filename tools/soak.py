@@ -59,90 +59,124 @@ def values(keys: list[bytes], layout) -> np.ndarray:
 
 
 # ---- a client process ------------------------------------------------------------------------------
-def client_main(idx: int, sock: str, ready, stop, seed: int, out: mp.Queue) -> None:
-    import torch
+class SoakClient:
+    """One client process: its connection, its keys, its counters and its latency samples."""
 
-    import tierkv
-    from tierkv.core.errors import KeyMissing, TierKVError
+    def __init__(self, idx: int, sock: str, seed: int) -> None:
+        import tierkv
 
-    layout = tierkv.Layout(*LAYOUT_ARGS)
-    rng = random.Random(seed)
-    mine = [key_of(f"c{idx}/{i}") for i in range(PRIVATE_KEYS)]
-    shared = [key_of(f"shared/{i}") for i in range(SHARED_KEYS)]
-    counts = {"ops": 0, "gets": 0, "blocks_checked": 0, "misses": 0, "mismatches": 0, "errors": 0,
-              "reconnects": 0, "full": 0}
-    lat: list[tuple[float, float]] = []  # (wall time, seconds) of leased gets, for p99 over time
-    error_samples: list[str] = []
+        self.idx, self.sock = idx, sock
+        self.layout = tierkv.Layout(*LAYOUT_ARGS)
+        self.rng = random.Random(seed)
+        self.mine = [key_of(f"c{idx}/{i}") for i in range(PRIVATE_KEYS)]
+        self.shared = [key_of(f"shared/{i}") for i in range(SHARED_KEYS)]
+        self.counts = {"ops": 0, "gets": 0, "blocks_checked": 0, "misses": 0, "mismatches": 0, "errors": 0,
+                       "reconnects": 0, "full": 0}
+        self.lat: list[tuple[float, float]] = []  # (wall time, seconds) of leased gets, for p99 over time
+        self.error_samples: list[str] = []
+        self.c = self.connect()
 
-    def pick(n: int) -> list[bytes]:
-        pool = shared if rng.random() < 0.3 else mine
-        start = rng.randrange(len(pool) - n)
+    def connect(self):
+        import tierkv
+
+        return tierkv.Client.connect(self.sock, model=MODEL, layout=self.layout)
+
+    def pick(self, n: int) -> list[bytes]:
+        pool = self.shared if self.rng.random() < 0.3 else self.mine
+        start = self.rng.randrange(len(pool) - n)
         return pool[start:start + n]  # runs of neighbours, like prefixes
 
-    c = tierkv.Client.connect(sock, model=MODEL, layout=layout)
+    def check_views(self, lease, keys: list[bytes]) -> None:
+        """Compare the leased blocks with the oracle."""
+        import torch
+
+        got = torch.stack(lease.views).view(torch.int16).numpy().view(np.uint16)
+        self.counts["blocks_checked"] += lease.count
+        if not np.array_equal(got, values(keys[:lease.count], self.layout)):
+            self.counts["mismatches"] += 1
+
+    def leased_get(self, n: int) -> None:
+        keys = self.pick(n)
+        t0 = time.perf_counter()
+        with self.c.acquire(keys) as lease:
+            if lease.count:
+                self.check_views(lease, keys)
+            k = lease.count
+        self.lat.append((time.time(), time.perf_counter() - t0))
+        self.counts["gets"] += 1
+        if k < n:
+            self.counts["misses"] += 1
+
+    def held_lease(self, n: int) -> None:
+        keys = self.pick(n)
+        with self.c.acquire(keys) as lease:  # hold it a little while others run
+            time.sleep(self.rng.uniform(0, 0.02))
+            if lease.count:
+                self.check_views(lease, keys)
+
+    def reconnect(self, n: int) -> None:
+        self.c.close()  # sometimes politely, sometimes leaving a lease behind for the daemon to free
+        self.c = self.connect()
+        self.counts["reconnects"] += 1
+        if self.rng.random() < 0.5:
+            self.c.acquire(self.pick(n))  # never released: freed when the connection goes
+
+    def step(self) -> None:
+        """One random operation."""
+        from tierkv.core.errors import KeyMissing
+
+        r, n = self.rng.random(), self.rng.randint(1, 8)
+        self.counts["ops"] += 1
+        if r < 0.25:
+            keys = self.pick(n)
+            self.c.put(keys, values(keys, self.layout), durable=self.rng.random() < 0.1)
+        elif r < 0.60:
+            self.leased_get(n)
+        elif r < 0.70:
+            self.c.lookup(self.pick(n))
+        elif r < 0.80:
+            self.held_lease(n)
+        elif r < 0.86:
+            self.c.alloc(n).abort()
+        elif r < 0.91:
+            try:
+                self.c.get(self.pick(n))
+            except KeyMissing:
+                self.counts["misses"] += 1
+        elif r < 0.97:
+            self.c.delete(self.pick(self.rng.randint(1, 2)) if self.rng.random() < 0.5 else [self.rng.choice(self.mine)])
+        else:
+            self.reconnect(n)
+
+    def failed(self, exc) -> None:
+        """Count a failed operation; reconnect when the connection went."""
+        from tierkv.core.errors import TierKVError
+
+        if exc.code == "full":
+            self.counts["full"] += 1
+            return
+        self.counts["errors"] += 1
+        if len(self.error_samples) < 5:
+            self.error_samples.append(f"{type(exc).__name__}: {exc}")
+        if exc.code == "connection":
+            try:
+                self.c = self.connect()
+            except TierKVError:
+                time.sleep(0.5)
+
+
+def client_main(idx: int, sock: str, ready, stop, seed: int, out: mp.Queue) -> None:
+    from tierkv.core.errors import TierKVError
+
+    client = SoakClient(idx, sock, seed)
     ready.release()
     while not stop.is_set():
-        r = rng.random()
-        n = rng.randint(1, 8)
-        counts["ops"] += 1
         try:
-            if r < 0.25:
-                keys = pick(n)
-                c.put(keys, values(keys, layout), durable=rng.random() < 0.1)
-            elif r < 0.60:
-                keys = pick(n)
-                t0 = time.perf_counter()
-                with c.acquire(keys) as lease:
-                    got = torch.stack(lease.views).view(torch.int16).numpy().view(np.uint16) if lease.count else None
-                    k = lease.count
-                lat.append((time.time(), time.perf_counter() - t0))
-                counts["gets"] += 1
-                counts["blocks_checked"] += k
-                if k < n:
-                    counts["misses"] += 1
-                if k and not np.array_equal(got, values(keys[:k], layout)):
-                    counts["mismatches"] += 1
-            elif r < 0.70:
-                c.lookup(pick(n))
-            elif r < 0.80:
-                keys = pick(n)
-                with c.acquire(keys) as lease:  # hold it a little while others run
-                    time.sleep(rng.uniform(0, 0.02))
-                    if lease.count:
-                        got = torch.stack(lease.views).view(torch.int16).numpy().view(np.uint16)
-                        counts["blocks_checked"] += lease.count
-                        if not np.array_equal(got, values(keys[:lease.count], layout)):
-                            counts["mismatches"] += 1
-            elif r < 0.86:
-                slots = c.alloc(n)
-                slots.abort()
-            elif r < 0.91:
-                try:
-                    c.get(pick(n))
-                except KeyMissing:
-                    counts["misses"] += 1
-            elif r < 0.97:
-                c.delete(pick(rng.randint(1, 2)) if rng.random() < 0.5 else [rng.choice(mine)])
-            else:
-                c.close()  # sometimes politely, sometimes leaving a lease behind for the daemon to free
-                c = tierkv.Client.connect(sock, model=MODEL, layout=layout)
-                counts["reconnects"] += 1
-                if rng.random() < 0.5:
-                    c.acquire(pick(n))  # never released: freed when the connection goes
+            client.step()
         except TierKVError as exc:
-            if exc.code == "full":
-                counts["full"] += 1
-            else:
-                counts["errors"] += 1
-                if len(error_samples) < 5:
-                    error_samples.append(f"{type(exc).__name__}: {exc}")
-                if exc.code == "connection":
-                    try:
-                        c = tierkv.Client.connect(sock, model=MODEL, layout=layout)
-                    except TierKVError:
-                        time.sleep(0.5)
-    c.close()
-    out.put({"client": idx, **counts, "lat": lat, "error_samples": error_samples})
+            client.failed(exc)
+    client.c.close()
+    out.put({"client": idx, **client.counts, "lat": client.lat, "error_samples": client.error_samples})
 
 
 # ---- the daemon and its figures --------------------------------------------------------------------
@@ -183,7 +217,7 @@ def slope_per_hour(samples: list[dict], key: str) -> float:
 def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
     from tierkv.client.admin import request
     from tierkv.core.errors import ConnectionFailed
-    from tierkv.ops.cli import _TUNABLES
+    from tierkv.daemon.allocator import TUNABLES
 
     sockdir = work / "run"
     sockdir.mkdir(mode=0o700)
@@ -192,7 +226,7 @@ def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
            "--host-capacity", "64MiB", "--slab-bytes", "4MiB", "--disk-capacity", "1GiB"]
     logf = open(work / "daemon.log", "ab")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=dict(os.environ, GLIBC_TUNABLES=_TUNABLES, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, GLIBC_TUNABLES=TUNABLES, PYTHONUNBUFFERED="1"))
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -209,7 +243,7 @@ def p99(xs: list[float]) -> float:
     return float(np.percentile(xs, 99) * 1e3) if xs else 0.0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     ap.add_argument("--clients", type=int, default=16)
@@ -218,56 +252,68 @@ def main() -> int:
     ap.add_argument("--socket", help="use this running daemon instead of starting one")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", default=str(REPO / "bench-results" / "soak.json"))
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def show(s: dict) -> None:
+    print(f"{s['t']:7.1f} {s['rss_kb'] / 1024:7.1f} {s['anon_kb'] / 1024:6.1f} {s['file_kb'] / 1024:6.1f} "
+          f"{s['shmem_kb'] / 1024:6.1f} {s['fds']:4d} {s['maps']:5d} {s['threads']:4d} {s['leases']:6d} "
+          f"{s['clients']:7d} {s['readers']:7d} {s['host_used'] / 2**20:7.1f} {s['disk_blocks']:8d}",
+          flush=True)
+
+
+def run_load(sock: str, args: argparse.Namespace) -> tuple[list[dict], list[dict], dict, float]:
+    """Run the clients for ``--duration`` seconds, sampling the daemon; returns the samples, the
+    clients' results, the idle sample after they left, and the start time."""
     from tierkv.client.admin import request
 
-    work = Path(tempfile.mkdtemp(prefix="tierkv-soak-"))
-    proc = None
-    try:
-        if args.socket:
-            sock = args.socket
-        else:
-            proc, sock = start_daemon(work)
-        pid = int(request(sock, "PING")["pid"])
-        ctx = mp.get_context("spawn")
-        q: mp.Queue = ctx.Queue()
-        ready, stop = ctx.Semaphore(0), ctx.Event()
-        clients = [ctx.Process(target=client_main, args=(i, sock, ready, stop, args.seed * 1000 + i, q), daemon=True)
-                   for i in range(args.clients)]
-        for p in clients:
-            p.start()
-        for _ in clients:  # the clock starts once every client is connected (imports take a while)
-            if not ready.acquire(timeout=300):
-                raise RuntimeError("a client did not connect within 300 s")
-        t0 = time.time()
-        stop_at = t0 + args.duration
-        samples = [sample(sock, pid, t0)]
-        print(f"{'t':>7} {'rss MB':>7} {'anon':>6} {'file':>6} {'shmem':>6} {'fds':>4} {'maps':>5} {'thr':>4} "
-              f"{'leases':>6} {'clients':>7} {'readers':>7} {'host MB':>7} {'disk blk':>8}", flush=True)
+    pid = int(request(sock, "PING")["pid"])
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    ready, stop = ctx.Semaphore(0), ctx.Event()
+    clients = [ctx.Process(target=client_main, args=(i, sock, ready, stop, args.seed * 1000 + i, q), daemon=True)
+               for i in range(args.clients)]
+    for p in clients:
+        p.start()
+    for _ in clients:  # the clock starts once every client is connected (imports take a while)
+        if not ready.acquire(timeout=300):
+            raise RuntimeError("a client did not connect within 300 s")
+    t0 = time.time()
+    stop_at = t0 + args.duration
+    samples = [sample(sock, pid, t0)]
+    print(f"{'t':>7} {'rss MB':>7} {'anon':>6} {'file':>6} {'shmem':>6} {'fds':>4} {'maps':>5} {'thr':>4} "
+          f"{'leases':>6} {'clients':>7} {'readers':>7} {'host MB':>7} {'disk blk':>8}", flush=True)
+    show(samples[0])
+    while time.time() < stop_at:
+        time.sleep(min(args.sample, max(0.0, stop_at - time.time())))
+        samples.append(sample(sock, pid, t0))
+        show(samples[-1])
+    stop.set()
+    results = [q.get(timeout=120) for _ in clients]
+    for p in clients:
+        p.join(30)
+    time.sleep(1.0)  # let the daemon notice the last disconnects
+    idle = sample(sock, pid, t0)
+    show(idle)
+    return samples, results, idle, t0
 
-        def show(s: dict) -> None:
-            print(f"{s['t']:7.1f} {s['rss_kb'] / 1024:7.1f} {s['anon_kb'] / 1024:6.1f} {s['file_kb'] / 1024:6.1f} "
-                  f"{s['shmem_kb'] / 1024:6.1f} {s['fds']:4d} {s['maps']:5d} {s['threads']:4d} {s['leases']:6d} "
-                  f"{s['clients']:7d} {s['readers']:7d} {s['host_used'] / 2**20:7.1f} {s['disk_blocks']:8d}",
-                  flush=True)
 
-        show(samples[0])
-        while time.time() < stop_at:
-            time.sleep(min(args.sample, max(0.0, stop_at - time.time())))
-            samples.append(sample(sock, pid, t0))
-            show(samples[-1])
-        stop.set()
-        results = [q.get(timeout=120) for _ in clients]
-        for p in clients:
-            p.join(30)
-        time.sleep(1.0)  # let the daemon notice the last disconnects
-        idle = sample(sock, pid, t0)
-        show(idle)
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            rc = proc.wait(120)
+def slopes(steady: list[dict], fixed: list[dict]) -> dict:
+    """Least-squares slopes per hour of the steady samples (RSS also over the fixed warm-up)."""
+    out = {
+        "slope_rss_mb_per_h": round(slope_per_hour(steady, "rss_kb") / 1024, 2),
+        "slope_rss_mb_per_h_fixed_warmup": round(slope_per_hour(fixed, "rss_kb") / 1024, 2),
+    }
+    for key in ("anon", "file", "shmem"):
+        out[f"slope_{key}_mb_per_h"] = round(slope_per_hour(steady, f"{key}_kb") / 1024, 2)
+    out["slope_disk_blocks_per_h"] = round(slope_per_hour(steady, "disk_blocks"), 1)
+    for key in ("fds", "maps", "threads", "leases", "readers"):
+        out[f"slope_{key}_per_h"] = round(slope_per_hour(steady, key), 2)
+    return out
+
+
+def summarize(samples: list[dict], results: list[dict], idle: dict, t0: float, args: argparse.Namespace,
+              rc: int | None) -> dict:
     # Warm-up: the fixed share of the run, and at least until the disk tier holds its working set (98%
     # of its largest block count): before that the LMDB map's file-backed pages grow with the data.
     peak = max((s["disk_blocks"] for s in samples), default=0)
@@ -284,28 +330,35 @@ def main() -> int:
     res = {
         "duration_s": args.duration, "clients": args.clients, "samples": len(samples),
         "warmup_s": round(warmup_s, 1), "disk_settled_s": round(settled, 1), **totals,
-        "ops_per_s": round(totals["ops"] / args.duration, 1),
-        "slope_rss_mb_per_h": round(slope_per_hour(steady, "rss_kb") / 1024, 2),
-        "slope_rss_mb_per_h_fixed_warmup": round(slope_per_hour(fixed, "rss_kb") / 1024, 2),
-        "slope_anon_mb_per_h": round(slope_per_hour(steady, "anon_kb") / 1024, 2),
-        "slope_file_mb_per_h": round(slope_per_hour(steady, "file_kb") / 1024, 2),
-        "slope_shmem_mb_per_h": round(slope_per_hour(steady, "shmem_kb") / 1024, 2),
-        "slope_disk_blocks_per_h": round(slope_per_hour(steady, "disk_blocks"), 1),
-        "slope_fds_per_h": round(slope_per_hour(steady, "fds"), 2),
-        "slope_maps_per_h": round(slope_per_hour(steady, "maps"), 2),
-        "slope_threads_per_h": round(slope_per_hour(steady, "threads"), 2),
-        "slope_leases_per_h": round(slope_per_hour(steady, "leases"), 2),
-        "slope_readers_per_h": round(slope_per_hour(steady, "readers"), 2),
+        "ops_per_s": round(totals["ops"] / args.duration, 1), **slopes(steady, fixed),
         "fds_range_steady": [min(s["fds"] for s in steady), max(s["fds"] for s in steady)] if steady else [],
         "readers_max": max(s["readers"] for s in samples), "shm_max": max(s["shm"] for s in samples),
         "idle": {k: idle[k] for k in ("leases", "clients", "fds", "threads", "readers", "anon_kb", "file_kb", "rss_kb")},
         "start": {k: samples[0][k] for k in ("fds", "threads", "anon_kb", "file_kb", "rss_kb")},
         "get_p99_ms_first_window": round(p99(first), 2), "get_p99_ms_last_window": round(p99(last), 2),
         "error_samples": sorted({e for r in results for e in r["error_samples"]})[:10],
-        "daemon_sigterm_rc": rc if proc is not None else None,
+        "daemon_sigterm_rc": rc,
     }
     res["pass"] = bool(totals["mismatches"] == 0 and res["slope_rss_mb_per_h"] < 5.0 and idle["leases"] == 0
                        and res["shm_max"] == 0)
+    return res
+
+
+def main() -> int:
+    args = parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tierkv-soak-"))
+    proc = rc = None
+    try:
+        if args.socket:
+            sock = args.socket
+        else:
+            proc, sock = start_daemon(work)
+        samples, results, idle, t0 = run_load(sock, args)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(120)
+    res = summarize(samples, results, idle, t0, args, rc)
     print()
     width = max(len(k) for k in res)
     for k, v in res.items():

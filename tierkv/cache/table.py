@@ -59,6 +59,7 @@ class Block:
     gpu_leases: int = 0
     gpu_loading: threading.Event | None = None  # set when a host -> gpu copy finishes
     draining: bool = False         # committed on the GPU, its host copy not made yet (the only copy)
+    parent: bytes | None = None    # the previous block of the chain it was stored in (tails go first)
 
     @property
     def protected(self) -> bool:
@@ -164,7 +165,8 @@ class BlockTable:
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
                                      budgets={"host<->disk": cfg.budget.host_disk or None,
-                                              "gpu<->host": cfg.budget.gpu_host or None})
+                                              "gpu<->host": cfg.budget.gpu_host or None,
+                                              "host<->remote": cfg.budget.host_remote or None})
         self.gpu = None
         self.gpu_stats = TierCounters()
         self.gpu_policy = make_policy("lru")  # device slots are few and clean once drained: plain recency
@@ -352,7 +354,7 @@ class BlockTable:
                 del s.slots[off]
                 b = self.blocks.get(fk)
                 if b is None:
-                    b = Block(fk, ns.layout.block_bytes, host_off=off)
+                    b = Block(fk, ns.layout.block_bytes, host_off=off, parent=parent)
                     self.blocks[fk] = b
                     self.ns_blocks[s.fp] = self.ns_blocks.get(s.fp, 0) + 1
                     self.host_policy.on_insert(fk, self.host.slot_size_at(off), parent)
@@ -511,7 +513,7 @@ class BlockTable:
                     b.gpu_leases -= 1
                     if c.ok:
                         b.draining = False
-                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), None)  # type: ignore
+                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), b.parent)  # type: ignore
                         self.host_stats.bytes_in += b.nbytes
                         self.gpu_stats.demotions += 1
                     else:
@@ -711,7 +713,7 @@ class BlockTable:
                 for b, m in zip(loads, job.moves):
                     ev, b.loading = b.loading, None
                     if m.ok:
-                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), None)
+                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), b.parent)
                         self.remote_stats.hits += 1
                         self.remote_stats.bytes_out += b.nbytes
                     else:  # a miss (gone, corrupt or the remote is down): never served
@@ -968,7 +970,7 @@ class BlockTable:
                     ev = b.loading
                     b.loading = None
                     if m.ok:
-                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), None)
+                        self.host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), b.parent)
                         self.disk_stats.hits += 1
                         self.disk_stats.bytes_out += b.nbytes
                         self.host_stats.promotions += 1
@@ -1032,7 +1034,7 @@ class BlockTable:
         self.disk_used += stored_size(b.disk_bytes)
         self.disk_stats.bytes_logical += b.nbytes
         self.disk_stats.bytes_stored += b.disk_bytes
-        self.disk_policy.on_insert(b.fk, stored_size(b.disk_bytes), None)
+        self.disk_policy.on_insert(b.fk, stored_size(b.disk_bytes), b.parent)
 
     def _disk_removed(self, b: Block) -> None:
         self.disk_used -= stored_size(b.disk_bytes)
@@ -1399,7 +1401,7 @@ class BlockTable:
                 else:
                     for b in self.blocks.values():
                         if b.host_off is not None and b.loading is None:
-                            host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), None)
+                            host_policy.on_insert(b.fk, self.host.slot_size_at(b.host_off), b.parent)
                     self.host_policy = host_policy
             if disk_policy is not None:
                 if disk_policy.name == self.disk_policy.name:
@@ -1407,7 +1409,7 @@ class BlockTable:
                 else:
                     for b in self.blocks.values():
                         if b.on_disk:
-                            disk_policy.on_insert(b.fk, stored_size(b.disk_bytes), None)
+                            disk_policy.on_insert(b.fk, stored_size(b.disk_bytes), b.parent)
                     self.disk_policy = disk_policy
             self.cfg = new
             self.placement.update(mode=new.disk.admission)
@@ -1418,6 +1420,7 @@ class BlockTable:
             self.engine.level = new.disk.codec_level
             self.engine.budgets.set_rate("host<->disk", new.budget.host_disk or None)
             self.engine.budgets.set_rate("gpu<->host", new.budget.gpu_host or None)
+            self.engine.budgets.set_rate("host<->remote", new.budget.host_remote or None)
         self._kick_evictor(force=self.host.used_bytes > new.host.high_watermark * self.host_limit)
         if self.disk is not None and self.disk_used > new.disk.high_watermark * new.disk.capacity:
             self.engine.store([])  # an empty job runs make_room: the disk shrinks to its new size

@@ -26,6 +26,9 @@ class Codec(ABC):
     codec_id: ClassVar[int]  # part of the on-disk format
     checksum_scope: ClassVar[int] = SCOPE_RAW
     lossy: ClassVar[bool] = False
+    # The declared error bound: the largest relative RMSE of the K half and of the V half of a block
+    # (0.0: bit-exact). docs/design.md lists the measured figures on real KV.
+    max_rel_rmse: ClassVar[float] = 0.0
 
     def make_params(self, layout: Layout, options: dict[str, Any]) -> dict[str, Any]:
         """Validate encode options (names without the codec prefix) into the parameters to store.

@@ -19,8 +19,8 @@ from tierkv.codecs.container import (
     CodecError,
     pack_header,
     pack_params,
-    read_header,
 )
+from tierkv.codecs.header import read_header
 from tierkv.codecs.registry import available_codecs, get_codec
 from tierkv.codecs.zstdio import Method, check_level, decompress_exact, pack_section
 from tierkv.core.errors import BadRequest

@@ -14,6 +14,7 @@ Layout (little-endian)::
 The checksum covers the raw block (or, for lossy codecs, the decoded sections), then the namespace
 fingerprint, then the block key; the key itself is not stored, so a value copied under another key
 fails verification. The header hash lets a scan validate headers without decoding payloads.
+Packing lives here; :mod:`tierkv.codecs.header` parses and validates against the codec registry.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def pack_params(params: dict[str, Any]) -> bytes:
     return out
 
 
-def _unpack_params(data: bytes) -> dict[str, Any]:
+def unpack_params(data: bytes) -> dict[str, Any]:
     if not data:
         return {}
     try:
@@ -156,77 +157,3 @@ def pack_header(*, codec_id: int, layout: Layout, fingerprint: bytes, checksum: 
         head += _SECTION.pack(method, stored, decoded)
     head += _HASH.pack(xxhash.xxh3_64_intdigest(head))
     return bytes(head)
-
-
-def read_header(blob) -> BlockHeader:
-    """Parse and validate the header of an encoded block.
-
-    Checks the magic, version, header hash, known codec and dtype, a valid layout whose size is the
-    declared raw length, canonical codec parameters, section sizes equal to what the codec derives
-    from the layout, and that the section table accounts for exactly the rest of ``blob``.
-    It does not decompress or verify the payload (``decode_block`` does).
-
-    Args:
-        blob: the whole encoded block (bytes-like).
-
-    Raises:
-        CodecError: the header is malformed, truncated or inconsistent.
-    """
-    from tierkv.codecs.registry import codec_by_id  # registry imports the codecs, which import this module
-
-    try:
-        mv = memoryview(blob).cast("B")
-    except (TypeError, ValueError):
-        raise CodecError("encoded block must be a contiguous bytes-like object") from None
-    total = mv.nbytes
-    if total < _FIXED.size + _HASH.size:
-        raise CodecError(f"truncated block header ({total} B)")
-    (magic, version, codec_id, dtype_id, scope, n_layers, n_heads, head_dim, block_tokens, raw_len,
-     fingerprint, checksum, params_len, n_sections, _reserved) = _FIXED.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise CodecError("not a tierkv block (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CodecError(f"unsupported block format version {version}")
-    if params_len > MAX_PARAMS_BYTES or n_sections > MAX_SECTIONS:
-        raise CodecError("header declares too many parameters or sections")
-    header_len = _FIXED.size + params_len + n_sections * _SECTION.size + _HASH.size
-    if total < header_len:
-        raise CodecError(f"truncated block header ({total} B < {header_len} B)")
-    (stored_hash,) = _HASH.unpack_from(mv, header_len - _HASH.size)
-    if xxhash.xxh3_64_intdigest(mv[:header_len - _HASH.size]) != stored_hash:
-        raise CodecError("block header hash mismatch")
-    codec = codec_by_id(codec_id)
-    if codec is None:
-        raise CodecError(f"unknown codec id {codec_id}")
-    if dtype_id not in DTYPE_NAMES or scope not in _SCOPES:
-        raise CodecError("unknown dtype or checksum scope")
-    try:
-        layout = Layout(n_layers, n_heads, head_dim, block_tokens, DTYPE_NAMES[dtype_id])
-    except ValueError as exc:
-        raise CodecError(f"bad layout in header: {exc}") from None
-    if raw_len != layout.block_bytes:
-        raise CodecError(f"raw length {raw_len} does not match the layout ({layout.block_bytes} B)")
-    if scope != codec.checksum_scope:
-        raise CodecError("checksum scope does not match the codec")
-    off = _FIXED.size
-    params = codec.check_params(layout, _unpack_params(bytes(mv[off:off + params_len])))
-    off += params_len
-    sections = []
-    for i in range(n_sections):
-        method, stored, decoded = _SECTION.unpack_from(mv, off + i * _SECTION.size)
-        if method not in _METHODS:
-            raise CodecError(f"unknown section method {method}")
-        if method == 0 and stored != decoded:
-            raise CodecError("raw section length mismatch")
-        if method == 1 and not _MIN_FRAME <= stored <= _compress_bound(decoded):
-            raise CodecError(f"zstd section of {stored} B cannot hold {decoded} B")
-        sections.append(Section(_METHODS[method], stored, decoded))
-    expected = codec.section_sizes(layout, params)
-    if [s.decoded_len for s in sections] != expected:
-        raise CodecError(f"section sizes {[s.decoded_len for s in sections]} do not match the layout {expected}")
-    if sum(s.stored_len for s in sections) != total - header_len:
-        raise CodecError(f"section lengths do not match the payload ({total - header_len} B)")
-    return BlockHeader(version=version, codec=codec.name, codec_id=codec_id, params=params, dtype=layout.dtype,
-                       layout=layout.to_dict(), fingerprint=bytes(fingerprint), raw_len=raw_len, stored_len=total,
-                       header_len=header_len, checksum=bytes(checksum), checksum_scope=_SCOPES[scope],
-                       sections=tuple(sections))

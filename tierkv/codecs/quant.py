@@ -187,6 +187,7 @@ class Fp8Codec(_QuantCodec):
     """FP8 E4M3 codes with one float32 scale per (K/V, layer, head): 2x smaller than 16-bit, ~2.5% error."""
 
     name = "fp8"
+    max_rel_rmse = 0.03
     codec_id = 3
 
     def section_sizes(self, layout: Layout, params: dict[str, Any]) -> list[int]:
@@ -238,6 +239,7 @@ class Int8Codec(_QuantCodec):
     """Symmetric int8: keys scaled per channel, values per token. ~1.9x on 16-bit blocks, <1% error."""
 
     name = "int8"
+    max_rel_rmse = 0.01
     codec_id = 4
 
     def section_sizes(self, layout: Layout, params: dict[str, Any]) -> list[int]:
@@ -261,6 +263,7 @@ class Int4Codec(_QuantCodec):
     """
 
     name = "int4"
+    max_rel_rmse = 0.09
     codec_id = 5
 
     def make_params(self, layout: Layout, options: dict[str, Any]) -> dict[str, Any]:

@@ -163,7 +163,9 @@ class Config:
         for name in ("host_disk", "gpu_host", "host_remote"):
             if getattr(self.budget, name) < 0:
                 raise ValueError(f"budget.{name} must be >= 0")
-        self.remote.validate()
+        from tierkv.codecs import available_codecs
+
+        self.remote.validate(available_codecs())
 
     def policy_settings(self, name: str) -> dict[str, Any]:
         """The ``[policy]`` settings that the policy ``name`` has."""

@@ -6,7 +6,7 @@ every ``TIERKV_MEMDEBUG_S`` seconds (default 10): the process's anonymous RSS sp
 kept, mmapped), the number of malloc arenas, Python's allocated blocks and object counts, and the sizes
 of the daemon's own structures (blocks, policy heaps and dicts, history, connections, threads). With
 ``TIERKV_MEMDEBUG_TRACE=1`` it also runs tracemalloc and writes the top growth by line between samples
-(slow: for finding a Python-level leak, not for figures). Used to tell Python heap growth from
+(slow: for finding a Python-level leak, not for figures). It tells Python heap growth from
 allocator retention in the soak (docs/design.md).
 """
 
@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from tierkv.daemon.allocator import TRIM_STATS
 
 
 class _MallInfo2(ctypes.Structure):
@@ -114,8 +116,6 @@ def start(server: Any) -> None:
             row: dict[str, Any] = {"t": round(time.time() - t0, 1), **anon_maps(), **mallinfo(),
                                    **malloc_arenas(), "py_blocks": sys.getallocatedblocks(),
                                    "gc_objects": len(gc.get_objects())}
-            from tierkv.ops.cli import TRIM_STATS
-
             row.update({f"trim_{k}": v for k, v in TRIM_STATS.items()})
             try:
                 row.update(_table_sizes(server))

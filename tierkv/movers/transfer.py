@@ -1,13 +1,16 @@
 """Transfer engine: moves block bytes between tiers as jobs with ids; the block table decides what moves.
 
 Routes by (source tier, destination tier) to one mover each: host <-> disk (:mod:`tierkv.movers.disk_io`,
-stores and loads with the codecs), host <-> remote (:mod:`tierkv.movers.remote_io`) and host <-> gpu
-(:mod:`tierkv.movers.device_copy`, CUDA streams or their stand-in). The engine owns the worker pools and
-the counters they share (:class:`~tierkv.movers.jobs.JobBook`).
+stores and loads with the codecs), host <-> remote (:mod:`tierkv.movers.remote`, run here as jobs on the
+load pool and one write-through thread) and host <-> gpu (:mod:`tierkv.movers.device_copy`, CUDA streams
+or their stand-in). The engine owns the worker pools and the counters they share
+(:class:`~tierkv.movers.jobs.JobBook`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,11 +19,12 @@ from tierkv.cache.costmodel import CostModel
 from tierkv.movers.budget import LinkBudgets
 from tierkv.movers.disk_io import LOAD_THREADS, DiskMover
 from tierkv.movers.jobs import Job, JobBook, Move
-from tierkv.movers.remote_io import RemoteMover
+from tierkv.movers.remote import RemoteMover
 from tierkv.movers.streams import Copy
 from tierkv.tiers.disk import DiskTier
 
 __all__ = ["Job", "Move", "TransferEngine"]
+log = logging.getLogger("tierkv.movers.transfer")
 
 
 class TransferEngine:
@@ -49,7 +53,9 @@ class TransferEngine:
         self._decode = ThreadPoolExecutor(max(workers, LOAD_THREADS), thread_name_prefix="tierkv-decode")
         self._disk = DiskMover(disk, self._book, self.budgets, self.cost, self._encode, self._decode, codec, level,
                                make_room, write_batch)
-        self._remote = RemoteMover(self._book, self.budgets, self.cost, self._decode)
+        # one writer keeps remote write-through in commit order and off the load path
+        self._remote_writer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-remote-writer")
+        self._remote: RemoteMover | None = None
         self._device: Any = None  # a DeviceMover once attach_device ran
 
     # ---- settings and counters ---------------------------------------------------------------------
@@ -136,11 +142,43 @@ class TransferEngine:
 
     def load_remote(self, remote: Any, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
         """Fetch, verify and decode ``moves`` from the remote tier into their host slots (one batch)."""
-        return self._remote.load(remote, moves, on_done)
+        mover = self._remote_mover(remote)
+        return self._remote_job(("remote", "host"), moves, on_done, self._decode, lambda: mover.fetch(
+            [(m.fingerprint, m.key) for m in moves], moves[0].layout, [m.view for m in moves]))
 
     def store_remote(self, remote: Any, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
         """Write ``moves`` through to the remote tier (encoded there); the slots stay pinned until done."""
-        return self._remote.store(remote, moves, on_done)
+        mover = self._remote_mover(remote)
+        return self._remote_job(("host", "remote"), moves, on_done, self._remote_writer, lambda: mover.store(
+            [(m.fingerprint, m.key, m.view) for m in moves], moves[0].layout, disk_keys=[m.lmdb_key for m in moves]))
+
+    def _remote_mover(self, remote: Any) -> RemoteMover:
+        with self._book.lock:
+            if self._remote is None or self._remote.tier is not remote:
+                self._remote = RemoteMover(remote, budgets=self.budgets, disk=self.disk)
+            return self._remote
+
+    def _remote_job(self, route: tuple[str, str], moves: list[Move], on_done: Callable[[Job], None] | None,
+                    pool: ThreadPoolExecutor, call: Callable[[], list[bool]]) -> Job:
+        """Run one remote batch on ``pool``; the tier never raises for remote failures (they are misses)."""
+        job = self._book.open(route, moves, on_done)
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                oks = call()  # the mover admits each block through the host<->remote budget
+                for m, ok in zip(moves, oks):
+                    m.ok = bool(ok)
+            except Exception as exc:  # anything unexpected is still only a miss or a dropped write
+                log.warning("remote %s->%s failed: %s", *route, exc)
+            job.seconds = time.perf_counter() - t0
+            got = sum(m.view.nbytes for m in moves if m.ok)
+            if got and route[0] == "remote":
+                self.cost.observe("remote", got, job.seconds)
+            self._book.finish(job)
+
+        pool.submit(run)
+        return job
 
     def attach_device(self, pool: Any, host: Any) -> None:
         """Serve the GPU tier ``pool``: two copy queues (loads on a high-priority stream) and, on CUDA,
@@ -162,6 +200,8 @@ class TransferEngine:
         if self._device is not None:
             self._device.close()
         self._disk.close(timeout)
-        self._remote.close()
+        self._remote_writer.shutdown(wait=True)
+        if self._remote is not None:
+            self._remote.close()
         self._encode.shutdown(wait=True)
         self._decode.shutdown(wait=True)

@@ -152,27 +152,18 @@ def check_socket(path: Path) -> tuple[list[Finding], dict[str, Any] | None]:
 
 def lmdb_holders(env_dir: Path) -> list[int]:
     """Pids (other than ours) with a file of the LMDB environment open."""
-    targets = set()
-    for name in LMDB_FILES:
-        try:
-            targets.add(os.path.realpath(env_dir / name))
-        except OSError:
-            pass
+    import psutil
+
+    targets = {os.path.realpath(env_dir / name) for name in LMDB_FILES}
     holders = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
         try:
-            fds = os.listdir(f"/proc/{entry.name}/fd")
-        except OSError:
+            if any(f.path in targets for f in proc.open_files()):
+                holders.append(proc.pid)
+        except psutil.Error:
             continue  # gone, or not ours to look at
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{entry.name}/fd/{fd}") in targets:
-                    holders.append(int(entry.name))
-                    break
-            except OSError:
-                continue
     return holders
 
 

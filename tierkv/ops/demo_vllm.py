@@ -19,7 +19,7 @@ from typing import Any
 
 from tierkv.client.admin import request
 from tierkv.integrations.vllm.launch import BLOCK_TOKENS, ChatReply, VllmServer
-from tierkv.ops.demo import SYSTEM
+from tierkv.ops.conversation import SYSTEM
 
 __all__ = ["VllmTurn", "format_vllm_turn", "run_vllm_chat"]
 

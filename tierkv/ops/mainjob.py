@@ -29,7 +29,7 @@ import click
 from tierkv.core.errors import ConnectionFailed
 from tierkv.daemon.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: tierkv/ops/mainjob.py -> ../..
 CONFIG = ROOT / "configs" / "default.toml"
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 120.0
@@ -95,7 +95,8 @@ def _tail(path: Path, n: int = 3000) -> str:
 def main() -> int:
     """Run the main job; returns the process exit status."""
     from tierkv.integrations.model import cache_dir, ensure_converted, is_converted
-    from tierkv.ops.demo import TURNS, format_tier_stats
+    from tierkv.ops.conversation import TURNS
+    from tierkv.ops.demo import format_tier_stats
     from tierkv.ops.demo_vllm import format_vllm_turn, run_vllm_chat
 
     config = CONFIG if CONFIG.is_file() else None

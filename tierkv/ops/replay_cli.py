@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def _policy_settings(sets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     return out
 
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 
 
 def daemon_config(path: Path | None) -> Config:
@@ -90,7 +91,7 @@ def _table(results: list[ReplayResult], tiers: list[str]) -> str:
         lines.append(f"capacity {cap} ({fmt_bytes(rows[0].capacity_bytes)} in {tiers[0]})")
         head = f"  {'policy':<10} {'hit %':>6}" + "".join(f" {t + ' %':>7}" for t in tiers)
         head += (f" {'x lru':>6} {'to opt':>7} {'moved':>10} {'disk wr':>10} {'ttft p50':>9} {'p99':>8}"
-                 f" {'time':>6}  admission")
+                 f" {'cpu':>6}  admission")
         lines.append(head)
         for r in rows:
             x = f"{r.token_hit_rate / lru:.3f}" if lru else "-"
@@ -99,7 +100,7 @@ def _table(results: list[ReplayResult], tiers: list[str]) -> str:
             line += "".join(f" {r.tier_hit_rate.get(t, 0.0) * 100:7.2f}" for t in tiers)
             line += (f" {x:>6} {gap:>7} {fmt_bytes(sum(r.bytes_moved.values())):>10}"
                      f" {fmt_bytes(r.disk_writes_bytes):>10} {r.ttft_p50_s:8.3f}s {r.ttft_p99_s:7.3f}s"
-                     f" {r.wall_s:5.1f}s  {r.admission}")
+                     f" {r.cpu_s:5.1f}s  {r.admission}")
             lines.append(line)
         ref = rows[0]
         lines.append(f"  recompute-only TTFT p50 {ref.ttft_recompute_p50_s:.3f}s p99 {ref.ttft_recompute_p99_s:.3f}s; "
@@ -185,6 +186,9 @@ def _print_profile(p: dict[str, Any]) -> None:
               help="KV bytes per token (default: Llama-3-8B in bf16).")
 @click.option("--host-bw", default="25GB/s", show_default=True, help="Host -> GPU bandwidth.")
 @click.option("--disk-bw", default="5GB/s", show_default=True, help="Disk -> GPU bandwidth (raw bytes).")
+@click.option("--disk-write-bw", default="2GB/s", show_default=True,
+              help="Disk writer bandwidth (stored bytes); while it has nothing queued every host victim is "
+                   "written, as the daemon's writer does. 0 leaves it out: the admission rule decides all.")
 @click.option("--disk-latency-ms", default=0.1, show_default=True, type=click.FloatRange(0))
 @click.option("--disk-compression", default=1.4, show_default=True, type=click.FloatRange(1.0),
               help="Raw / stored bytes on disk.")
@@ -208,7 +212,7 @@ def _print_profile(p: dict[str, Any]) -> None:
               help="Write a PNG of hit rate against capacity per policy.")
 @click.option("--advise", is_flag=True, help="Print the request profile and recommended tier sizes instead.")
 def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | None, page_tokens: int,
-           trace_block_tokens: int, kv_bytes_per_token: int, host_bw: str, disk_bw: str,
+           trace_block_tokens: int, kv_bytes_per_token: int, host_bw: str, disk_bw: str, disk_write_bw: str,
            disk_latency_ms: float, disk_compression: float, admission: str, disk_admission: bool | None,
            disk_exclusive: bool, config_path: Path | None, prefill_rate: float,
            attn_double_tokens: float, sets: tuple[str, ...], limit: int | None, as_json: bool,
@@ -219,30 +223,22 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
     time to first token, for every policy at every capacity, next to Belady's OPT.
     """
     try:
-        names = _split(policies)
-        if not names:
-            raise click.BadParameter("name at least one policy", param_hint="--policy")
-        known = [*policy_names(oracles=True), "default"]
-        for n in names:
-            if n not in known:
-                raise click.BadParameter(f"unknown policy {n!r} (known: {', '.join(known)})", param_hint="--policy")
-        caps = _split(capacities)
+        names, caps = _check_names(policies), _split(capacities)
         if not caps:
             raise click.BadParameter("name at least one capacity", param_hint="--capacity")
         for c in caps + ([disk_capacity] if disk_capacity else []):
             parse_capacity(c, 1)
-        psettings = _policy_settings(sets)
         tiers = [TierSpec("host", caps[0], read_bytes_per_s=parse_rate(host_bw))]
         if disk_capacity:
             tiers.append(TierSpec("disk", disk_capacity, read_bytes_per_s=parse_rate(disk_bw),
                                   latency_s=disk_latency_ms / 1000.0, compression=disk_compression,
-                                  inclusive=not disk_exclusive))
+                                  inclusive=not disk_exclusive, write_bytes_per_s=parse_rate(disk_write_bw)))
         if disk_admission is not None:
             admission = "reused" if disk_admission else "all"
         daemon = daemon_config(config_path)
         config = ReplayConfig(tiers=tiers, page_tokens=page_tokens, trace_block_tokens=trace_block_tokens,
                               kv_bytes_per_token=kv_bytes_per_token, prefill_tokens_per_s=prefill_rate,
-                              attn_double_tokens=attn_double_tokens, policy_settings=psettings)
+                              attn_double_tokens=attn_double_tokens, policy_settings=_policy_settings(sets))
         requests = load_trace(trace)
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -252,28 +248,13 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         raise click.ClickException(f"{trace.name}: no requests")
     workload = Workload(requests, page_tokens, trace_block_tokens)
 
+    def configure(name: str, cfg: ReplayConfig) -> ReplayConfig:
+        return tiers_for(name, cfg, daemon, admission)
+
     if advise:
-        prof = profile(workload, config)
-        rec = prof["recommended"]
-        adv = advise_admission(workload, config, rec["host_bytes"], rec["disk_bytes"],
-                               lambda name, cfg: tiers_for(name, cfg, daemon, admission))
-        rec["admission"], rec["admission_why"], rec["admission_runs"] = adv["admission"], adv["why"], adv["runs"]
-        rec["opt"] = adv["opt"]
-        if as_json:
-            click.echo(json.dumps(prof, indent=2))
-        else:
-            _print_profile(prof)
+        _advise(workload, config, configure, as_json)
         return
-
-    from tierkv.ops.progress import bar
-
-    runs = len(caps) * len(dict.fromkeys([*names, "opt"]))
-    with bar(runs, f"replaying {len(requests):,} requests") as advance:
-        def progress(r: ReplayResult) -> None:
-            advance(1, f"{r.policy} @ {r.capacity}: {r.token_hit_rate * 100:.2f}%")
-
-        results = sweep(workload, names, caps, config, progress=progress,
-                        per_policy=lambda name, cfg: tiers_for(name, cfg, daemon, admission))
+    results = _sweep(workload, names, caps, config, configure)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:
@@ -284,6 +265,47 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         _plot(results, plot_path)
         if not as_json:
             click.echo(f"plot written to {plot_path}")
+
+
+def _check_names(policies: str) -> list[str]:
+    """The ``--policy`` names, each a registered policy, ``opt`` or ``default``."""
+    names = _split(policies)
+    if not names:
+        raise click.BadParameter("name at least one policy", param_hint="--policy")
+    known = [*policy_names(oracles=True), "default"]
+    for n in names:
+        if n not in known:
+            raise click.BadParameter(f"unknown policy {n!r} (known: {', '.join(known)})", param_hint="--policy")
+    return names
+
+
+Configure = Callable[[str, ReplayConfig], ReplayConfig]
+
+
+def _advise(workload: Workload, config: ReplayConfig, configure: Configure, as_json: bool) -> None:
+    """Print the request profile, recommended sizes and the admission advice."""
+    prof = profile(workload, config)
+    rec = prof["recommended"]
+    adv = advise_admission(workload, config, rec["host_bytes"], rec["disk_bytes"], configure)
+    rec["admission"], rec["admission_why"], rec["admission_runs"] = adv["admission"], adv["why"], adv["runs"]
+    rec["opt"] = adv["opt"]
+    if as_json:
+        click.echo(json.dumps(prof, indent=2))
+    else:
+        _print_profile(prof)
+
+
+def _sweep(workload: Workload, names: list[str], caps: list[str], config: ReplayConfig,
+           configure: Configure) -> list[ReplayResult]:
+    """Every policy at every capacity, with a progress bar."""
+    from tierkv.ops.progress import bar
+
+    runs = len(caps) * len(dict.fromkeys([*names, "opt"]))
+    with bar(runs, f"replaying {len(workload.requests):,} requests") as advance:
+        def progress(r: ReplayResult) -> None:
+            advance(1, f"{r.policy} @ {r.capacity}: {r.token_hit_rate * 100:.2f}%")
+
+        return sweep(workload, names, caps, config, progress=progress, per_policy=configure)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from tierkv.sim.replay import ReplayConfig, ReplayResult, TierSpec, Workload, fmt_bytes, replay
+from tierkv.sim.config import ReplayConfig, TierSpec
+from tierkv.sim.result import ReplayResult
+from tierkv.sim.simulator import replay
+from tierkv.sim.units import fmt_bytes
+from tierkv.sim.workload import Workload
 
 
 def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, disk_bytes: int,
@@ -42,7 +46,7 @@ def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, 
         disk = TierSpec(**{**asdict(disk), "capacity": max(1, int(disk_bytes / max(disk.compression, 1.0)))})
     else:
         disk = TierSpec("disk", max(1, int(disk_bytes / 1.4)), read_bytes_per_s=5e9, latency_s=1e-4,
-                        compression=1.4, inclusive=True)
+                        compression=1.4, inclusive=True, write_bytes_per_s=2e9)
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
     base = ReplayConfig(**{**fields, "tiers": [host, disk]})
 

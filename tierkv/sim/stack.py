@@ -75,6 +75,14 @@ class TierStack:
         else:
             del self.held[page]
 
+    def use(self, page: int) -> None:
+        """A request uses ``page``: a use in every tier holding a copy (the daemon touches the host
+        and the disk policy of a block on both)."""
+        mask = self.held.get(page, 0)
+        for t in range(self.n):
+            if mask >> t & 1:
+                self.policies[t].on_access(page)
+
     def promote(self, page: int, t: int) -> None:
         """``page`` is read from tier ``t`` > 0 on its way into tier 0."""
         if self.inclusive[t]:

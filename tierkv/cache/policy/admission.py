@@ -1,9 +1,11 @@
 """Admission to a cold tier: write a block only if it is likely to be read again.
 
 Each write to NVMe costs bandwidth and endurance, and most blocks of one-shot prompts are never
-read again. The rule (TinyLFU's idea, algorithms.md A3): admit a block seen at least ``min_seen``
-times, shared by at least ``min_sharers`` holders, or pinned. The daemon and the simulator both use
-this class; the counts come from a :class:`~tierkv.cache.policy.history.History` shared with the policies.
+read again. The rule (TinyLFU's idea): admit a block seen at least ``min_seen``
+times, shared by at least ``min_sharers`` holders, or pinned. The counts come from a
+:class:`~tierkv.cache.policy.history.History` shared with the policies. This is a rule by past use,
+for write-through to the remote tier; the disk tier's rule, by predicted reuse, is
+:class:`~tierkv.cache.policy.placement.Placement`.
 """
 
 from __future__ import annotations
@@ -59,3 +61,22 @@ class Admission:
     def update(self, **settings: Any) -> None:
         """Change settings; a bad key or value raises ``ValueError`` and changes nothing."""
         self._settings = checked_settings(self.SETTINGS, self._settings, settings, "admission")
+
+
+def admission_for(mode: str = "reused", history: History | None = None) -> Admission:
+    """The :class:`Admission` of a write-through mode (``remote.admission``), for the simulator and for
+    callers that keep use counts in a History.
+
+    ``all``: every block; ``reused``: blocks used at least twice, shared by two holders, or pinned;
+    ``pinned``: pinned blocks only.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode == "all":
+        return Admission(history, enabled=False)
+    if mode == "reused":
+        return Admission(history)
+    if mode == "pinned":
+        return Admission(history, min_seen=1 << 62, min_sharers=1 << 62)
+    raise ValueError(f"admission mode must be one of all, reused, pinned, got {mode!r}")

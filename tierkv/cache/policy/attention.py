@@ -1,6 +1,6 @@
 """The default policy: reuse heat, sharing, miss cost, size and attention in one priority.
 
-For block ``b`` resident in this tier (algorithms.md A3; higher stays longer)::
+For block ``b`` resident in this tier (higher stays longer)::
 
     F  = F * 2^(-dt/half_life_s) + 1            on every use (recency and frequency in one number)
     F' = 1 + log2(min(F, freq_cap))             (``freq_shape=log``; ``linear`` uses F itself)

@@ -219,8 +219,7 @@ class HeapPolicy(Policy):
             return False
         self._prio.pop(key, None)
         self._ver.pop(key, None)
-        # Without this a removed key stayed in _pending until the next victims(): a tier that never
-        # fills (a large disk) calls victims() never, so every key ever deleted from it was kept.
+        # a tier that never fills (a large disk) never calls victims(), which is what empties _pending
         self._pending.pop(key, None)
         parent = self._parent.pop(key, None)
         if parent is not None:

@@ -1,0 +1,96 @@
+"""The package's import contracts (pyproject.toml's [tool.importlinter]) and what an engine process loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+
+def _lint_imports() -> list[str]:
+    exe = Path(sys.executable).with_name("lint-imports")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("lint-imports")
+    if found is None:
+        pytest.skip("import-linter is not installed (the test extra)")
+    return [found]
+
+
+def test_import_contracts_hold():
+    out = subprocess.run([*_lint_imports(), "--no-cache", "--no-logo"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_client_import_loads_no_daemon_code():
+    """An engine process imports tierkv.client: Redis, LMDB and the daemon stay out of it."""
+    code = ("import json, sys, tierkv.client; print(json.dumps(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('redis', 'lmdb') or m.startswith(('tierkv.daemon', 'tierkv.movers', "
+            "'tierkv.tiers')))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _imported_top_modules(root: Path) -> set[str]:
+    """Top-level names of every module imported anywhere under ``root`` (lazy imports included)."""
+    import ast
+
+    names = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def _top_modules(dist: str) -> set[str]:
+    """The import names a distribution provides (``prometheus-client`` -> ``prometheus_client``)."""
+    from importlib.metadata import packages_distributions
+
+    wanted = dist.lower().replace("-", "_")
+    found = {mod for mod, dists in packages_distributions().items()
+             if any(d.lower().replace("-", "_") == wanted for d in dists)}
+    return found or {wanted}
+
+
+def test_every_runtime_dependency_is_used():
+    import re
+
+    imported = _imported_top_modules(REPO / "tierkv")
+    unused = []
+    for req in _pyproject()["project"]["dependencies"]:
+        dist = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+        if not _top_modules(dist) & imported:
+            unused.append(dist)
+    assert unused == [], f"declared in [project.dependencies] but imported nowhere in tierkv/: {unused}"
+
+
+def test_every_package_data_pattern_matches_a_file():
+    data = _pyproject()["tool"]["setuptools"].get("package-data", {})
+    missing = [f"{pkg}: {pattern}" for pkg, patterns in data.items() for pattern in patterns
+               if not any(p.is_file() for p in (REPO / pkg.replace(".", "/")).glob(pattern))]
+    assert missing == [], f"package-data patterns that match no file: {missing}"
+
+
+def test_paths_into_the_repository_resolve():
+    # Modules that read files of the checkout name them relative to their own place in the package.
+    from tierkv.ops import mainjob, replay_cli
+
+    assert mainjob.CONFIG.is_file(), mainjob.CONFIG
+    assert replay_cli.DEFAULT_CONFIG.is_file(), replay_cli.DEFAULT_CONFIG

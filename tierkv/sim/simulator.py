@@ -1,0 +1,263 @@
+"""The replay loop: a workload through one eviction policy per tier, on the trace's clock.
+
+The model, per request in timestamp order:
+
+1. Lookup: the longest prefix of pages present in any tier hits; each hit is served by the tier it
+   is in. Pages after the first miss are recomputed even if cached (prefix semantics).
+2. Hits in a lower tier are promoted into the first tier (bytes moved ``lower->first``); an
+   inclusive tier (the daemon's disk) keeps its copy. Misses are computed and inserted into the
+   first tier. Every page of the request is protected (leased) while room is made.
+3. Making room: the tier's policy picks victims (all or nothing); a victim with a copy further
+   down just leaves, the others are written to the next tier if its admission rule
+   (:class:`~tierkv.cache.policy.placement.Placement`) takes them, else dropped.
+4. Time to first token: ``max(recompute time of the missed tokens, load time of the hit bytes)``
+   (loads overlap layer-wise with compute); recompute cost per token grows with its position.
+5. The request finishes: its pages are a chain tail until a later request extends the chain (the
+   engine's ``request_finished`` signal, fed to the same reuse models as in the daemon).
+
+Every policy object is built with :func:`tierkv.cache.policy.make_policy`, driven by the trace clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from tierkv.cache.policy import History, make_policy
+from tierkv.cache.policy.placement import Placement
+from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.sim.config import ReplayConfig, TierSpec
+from tierkv.sim.result import ReplayResult, percentile
+from tierkv.sim.stack import TierStack
+from tierkv.sim.units import parse_capacity
+from tierkv.sim.workload import Workload, prefill_seconds
+
+
+class _Clock:
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Simulator:
+    """Replays a :class:`Workload` through one policy per tier.
+
+    Args:
+        workload: the expanded trace.
+        policy: a registered policy name (``opt`` for Belady's oracle).
+        config: tiers and cost model.
+    """
+
+    def __init__(self, workload: Workload, policy: str, config: ReplayConfig) -> None:
+        if workload.page_tokens != config.page_tokens:
+            raise ValueError("workload and config disagree on page_tokens")
+        self.w, self.config, self.policy_name = workload, config, policy
+        self.clock = _Clock()
+        page_bytes = config.page_bytes
+        unique_bytes = workload.unique_pages * page_bytes
+        self.caps = [parse_capacity(str(t.capacity), unique_bytes) if not isinstance(t.capacity, int)
+                     else t.capacity for t in config.tiers]
+        self.sizes = [max(1, int(round(page_bytes / max(t.compression, 1e-9)))) for t in config.tiers]
+        self.history = History(max_entries=max(1 << 16, 4 * workload.unique_pages))
+        self._next_of: dict[int, float] = {}
+        self._recompute: dict[int, float] | None = None
+        names = [t.policy or policy for t in config.tiers]
+        # the first tier's attention policy weighs blocks by their learned chance of a return, as
+        # the daemon's host tier does
+        self.host_reuse = ReuseModel(max_records=max(1 << 16, 4 * workload.unique_pages)) \
+            if names[0] == "attention" else None
+        if "default" in names:
+            raise ValueError("policy 'default' needs each tier's policy (TierSpec.policy; the CLI reads "
+                             "them from configs/default.toml)")
+        self.policies = [self._make_policy(name, i) for i, name in enumerate(names)]
+        self.parent_of: dict[int, int] = {}  # page -> previous page of its prefix
+        self._writer_free = [0.0] * len(config.tiers)  # trace time each tier's writer is done
+        self._hit_tok = 0
+        self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
+        self._signals: list[Any] = [r for r in self.rules if r is not None]
+        if self.host_reuse is not None:
+            self._signals.append(self.host_reuse)
+        modes = [t.admission_mode for t in config.tiers[1:]]
+        self.admission_name = ",".join(modes) if modes else "none"
+        self.placement_name = ",".join(f"{t.name}={n}" for t, n in zip(config.tiers, names))
+
+    def _make_rule(self, tier: int) -> Placement | None:
+        """The admission rule of tier ``tier`` (None: every victim is written)."""
+        spec = self.config.tiers[tier]
+        if tier == 0 or spec.admission_mode == "all":
+            return None
+        # the rule counts every use itself, whatever the policy (the attention policies keep theirs)
+        settings = dict(self.config.admission_settings)
+        settings.setdefault("ghost_entries", max(16, self.caps[tier] // max(self.sizes[tier], 1)))
+        settings.setdefault("max_records", max(1 << 16, 4 * self.w.unique_pages))
+        return Placement(spec.admission_mode, **settings)
+
+    def _page_cost_fn(self, tier: int) -> Callable[[int, int], float]:
+        """``cost_fn`` for tier ``tier``: seconds to need a page again once it left the tier."""
+        cfg, w = self.config, self.w
+        if self._recompute is None:
+            cost: dict[int, float] = {}
+            for pages, toks in zip(w.pages, w.tokens):
+                pos = 0
+                for p, tk in zip(pages, toks):
+                    if p not in cost:
+                        cost[p] = prefill_seconds(pos, pos + tk, cfg.prefill_tokens_per_s, cfg.attn_double_tokens)
+                    pos += tk
+            self._recompute = cost
+        cost = self._recompute
+        below = cfg.tiers[tier + 1] if tier + 1 < len(cfg.tiers) else None
+
+        def fn(key, size):
+            c = cost[key]
+            if below is not None and below.read_bytes_per_s > 0:
+                c = min(c, cfg.page_bytes / below.read_bytes_per_s + below.latency_s)
+            return c
+        return fn
+
+    def _make_policy(self, name: str, tier: int):
+        cfg = self.config
+        settings = dict(cfg.policy_settings.get(name, {}))
+        kwargs: dict[str, Any] = {}
+        if name == "opt":
+            kwargs["next_use"] = self._next_of.__getitem__
+        elif name == "attention":
+            kwargs["history"] = self.history
+            if tier == 0 and self.host_reuse is not None:
+                kwargs["reuse"] = self.host_reuse.predictor(self.clock)
+            if cfg.page_costs:
+                kwargs["cost_fn"] = self._page_cost_fn(tier)
+            settings.setdefault("block_tokens", cfg.page_tokens)
+            settings.setdefault("prefill_tokens_per_s", cfg.prefill_tokens_per_s)
+            settings.setdefault("attn_double_tokens", cfg.attn_double_tokens)
+            if tier + 1 < len(cfg.tiers):
+                below = cfg.tiers[tier + 1]
+                settings.setdefault("fetch_bytes_per_s", below.read_bytes_per_s)
+                settings.setdefault("fetch_latency_s", below.latency_s)
+        return make_policy(name, clock=self.clock, **settings, **kwargs)
+
+    def run(self, capacity_label: str | None = None) -> ReplayResult:
+        """Replay the whole workload and return its figures."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        w, cfg, clock = self.w, self.config, self.clock
+        tiers = cfg.tiers
+        stack = self.stack = TierStack([t.name for t in tiers], self.caps, self.sizes,
+                                       [t.inclusive for t in tiers], self.policies, cfg.page_bytes,
+                                       self._admit, self.parent_of, self._left)
+        hit_tokens = [0] * len(tiers)
+        total_tokens = 0
+        ttft: list[float] = []
+        ttft_ref: list[float] = []
+        next_use = w.next_use if self.policy_name == "opt" else None
+        rate, dbl = cfg.prefill_tokens_per_s, cfg.attn_double_tokens
+        for i, req in enumerate(w.requests):
+            clock.now = req.timestamp_s
+            pages, toks = w.pages[i], w.tokens[i]
+            if next_use is not None:
+                for p, nu in zip(pages, next_use[i]):
+                    self._next_of[p] = nu
+            total_tokens += req.input_tokens
+            load_b = self._serve(pages, toks, hit_tokens)
+            compute = prefill_seconds(self._hit_tok, req.input_tokens, rate, dbl)
+            ttft.append(max(compute, self._load_seconds(load_b)))
+            ttft_ref.append(prefill_seconds(0, req.input_tokens, rate, dbl))
+            for rule in self._signals:
+                rule.request_finished(pages, clock.now)
+        total = max(total_tokens, 1)
+        label = capacity_label if capacity_label is not None else str(tiers[0].capacity)
+        return ReplayResult(
+            policy=self.policy_name, capacity=label, capacity_bytes=self.caps[0], requests=len(w.requests),
+            input_tokens=total_tokens, token_hit_rate=sum(hit_tokens) / total,
+            tier_hit_rate={tiers[t].name: hit_tokens[t] / total for t in range(len(tiers))},
+            bytes_moved=stack.c.moved, disk_writes_bytes=stack.c.disk_writes, dropped_bytes=stack.c.dropped_bytes,
+            ttft_mean_s=sum(ttft) / max(len(ttft), 1), ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
+            ttft_recompute_p50_s=percentile(ttft_ref, 0.5), ttft_recompute_p99_s=percentile(ttft_ref, 0.99),
+            wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0, placement=self.placement_name,
+            admission=self.admission_name)
+
+    def _serve(self, pages: list[int], toks: list[int], hit_tokens: list[int]) -> list[int]:
+        """One request: count its prefix hits, promote cached pages and insert the rest into tier 0.
+        Returns the bytes read per tier."""
+        stack, now = self.stack, self.clock.now
+        held = stack.held
+        load_b = [0] * stack.n
+        k, n = 0, len(pages)
+        while k < n and pages[k] in held:
+            t = stack.fastest(pages[k])
+            hit_tokens[t] += toks[k]  # type: ignore[index]
+            load_b[t] += stack.page_bytes  # type: ignore[index]
+            k += 1
+        self._hit_tok = sum(toks[:k])
+        for rule in self._signals:
+            rule.requested(pages, now)
+        for j in range(1, n):
+            self.parent_of[pages[j]] = pages[j - 1]
+        incoming: list[int] = []
+        for p in pages:
+            t = stack.fastest(p)
+            if t == 0:
+                stack.use(p)
+                continue
+            if t is not None:
+                stack.promote(p, t)
+            incoming.append(p)
+        stack.insert0(incoming, set(pages))
+        return load_b
+
+    def _load_seconds(self, load_b: list[int]) -> float:
+        load = 0.0
+        for t, spec in enumerate(self.config.tiers):
+            if load_b[t]:
+                if spec.read_bytes_per_s > 0:  # read into the compute device
+                    load += load_b[t] / spec.read_bytes_per_s
+                    self.stack.c.move(spec.name, "gpu", load_b[t])
+                load += spec.latency_s
+        return load
+
+    def _left(self, page: int, tier: int) -> None:
+        if tier == 0 and self.host_reuse is not None:
+            self.host_reuse.left(page, self.clock.now, len(self.policies[0]))
+
+    def _admit(self, page: int, tier: int) -> bool:
+        """Whether a victim of tier ``tier - 1`` is written into ``tier``: the rule decides, told whether
+        the tier's writer has spare bandwidth (nothing queued), as the daemon's writer tells it."""
+        rule, now = self.rules[tier], self.clock.now
+        bw = self.config.tiers[tier].write_bytes_per_s
+        ok = rule is None or rule.admit(page, now, spare=bw > 0 and self._writer_free[tier] <= now)
+        if ok and bw > 0:
+            self._writer_free[tier] = max(self._writer_free[tier], now) + self.sizes[tier] / bw
+        return ok
+
+
+def replay(workload: Workload, policy: str, config: ReplayConfig,
+           capacity_label: str | None = None) -> ReplayResult:
+    """Run one policy over ``workload``; see :class:`Simulator`."""
+    return Simulator(workload, policy, config).run(capacity_label)
+
+
+def sweep(workload: Workload, policies: Sequence[str], capacities: Sequence[str], config: ReplayConfig,
+          progress: Callable[[ReplayResult], None] | None = None,
+          per_policy: Callable[[str, ReplayConfig], ReplayConfig] | None = None) -> list[ReplayResult]:
+    """Every policy at every first-tier capacity (OPT is added as the ceiling if missing).
+
+    ``per_policy(name, config)`` may return the config one policy runs with (its tiers' policies and
+    admission rules); the first tier's capacity is set afterwards.
+    """
+    names = list(dict.fromkeys([*policies, "opt"]))
+    out = []
+    for cap in capacities:
+        for name in names:
+            base = per_policy(name, config) if per_policy is not None else config
+            tiers = [TierSpec(**{**asdict(base.tiers[0]), "capacity": cap}), *base.tiers[1:]]
+            cfg = ReplayConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "tiers": tiers})
+            res = replay(workload, name, cfg, cap)
+            out.append(res)
+            if progress:
+                progress(res)
+    return out
+
