@@ -1,4 +1,4 @@
-"""The disk tier's own view of LMDB's pages (tierkv.tiers.disk._PageMap): the start-up scan and reads
+"""The disk tier's own view of LMDB's pages (tierkv.tiers.disk.pages.PageMap): the start-up scan and reads
 find values by walking the B-tree themselves, because py-lmdb touches every page of a value it returns.
 Checked against py-lmdb on trees of every depth, inline and overflow values, and after deletes."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierkv.tiers import disk as disk_module
 from tierkv.tiers.disk import PAGE, DiskTier
+from tierkv.tiers.disk import tier as disk_module
 
 SIZES = [0, 1, 100, 1500, 2100, 4000, 9000, 70000]
 
@@ -163,3 +163,17 @@ def test_lmdb_map_pages_are_dropped_too(tmp_path: Path, monkeypatch) -> None:
         assert _mapped_rss("data.mdb") < 16 << 20  # not the 48 MiB LMDB's reads mapped
     finally:
         tier.close()
+
+
+def test_an_unknown_liblmdb_is_refused_before_lmdb_opens(tmp_path: Path, monkeypatch) -> None:
+    """The page reader knows LMDB 0.9's page format only: another liblmdb is one clear error."""
+    import lmdb
+
+    from tierkv.tiers.disk import DiskError
+    from tierkv.tiers.disk.pages import check_lmdb_version
+
+    assert check_lmdb_version() == tuple(lmdb.version())
+    monkeypatch.setattr(lmdb, "version", lambda: (1, 0, 0))
+    with pytest.raises(DiskError, match=r"liblmdb 1\.0\.0 .* page reader knows \(0\.9\.x\)"):
+        DiskTier(tmp_path / "disk", 64 << 20)
+    assert not (tmp_path / "disk" / "data.mdb").exists()

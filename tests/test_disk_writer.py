@@ -38,7 +38,7 @@ def _txnid(tier: DiskTier) -> int:
 
 def _wait_dequeued(engine: TransferEngine) -> None:
     deadline = time.monotonic() + 10
-    while engine._stores.qsize() and time.monotonic() < deadline:
+    while engine.store_backlog() and time.monotonic() < deadline:
         time.sleep(0.001)
     time.sleep(0.05)  # the writer is now inside disk.write, waiting for the lock the test holds
 

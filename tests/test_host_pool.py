@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from tierkv.core.units import parse_size
 from tierkv.tiers.host import HostPool, slot_size_for
 
 
@@ -53,3 +54,41 @@ def test_views_are_shared_memory():
     with pytest.raises(OSError):
         os.ftruncate(pool.fd, 4096)  # sealed: nobody can shrink the pool under the daemon
     pool.close()
+
+
+def test_pool_smaller_than_a_slab_is_one_slab():
+    pool = HostPool((8 << 20) + 100, 32 << 20, prefault=False)
+    assert pool.slab_bytes == pool.capacity == 8 << 20 and pool.nslabs == 1
+    s = slot_size_for(1 << 20)
+    assert [pool.alloc(s) is not None for _ in range(9)] == [True] * 8 + [False]
+    pool.close()
+
+
+@pytest.mark.parametrize("capacity,slab", [(100, 4096), (1 << 20, 5000), (1 << 20, 0)])
+def test_pool_bad_sizes(capacity, slab):
+    with pytest.raises(ValueError, match="4 KiB"):
+        HostPool(capacity, slab, prefault=False)
+
+
+@pytest.mark.parametrize("capacity", ["8MiB", "16MiB"])
+def test_small_host_tier_serves(daemon_factory, capacity):
+    """A host tier below the default 32 MiB slab starts and serves puts and gets (past its size too)."""
+    import torch
+
+    import tierkv
+
+    from .helpers import keys_for, rand_blocks
+
+    layout = tierkv.Layout(num_layers=8, num_kv_heads=4, head_dim=64, block_tokens=16, dtype="bfloat16")
+    d = daemon_factory(["--host-capacity", capacity, "--slab-bytes", "32MiB"])
+    with d.client(layout=layout) as c:
+        n = 2 * parse_size(capacity) // layout.block_bytes  # twice the host tier: the rest goes to disk
+        keys, blocks = keys_for(c, n, seed=5), rand_blocks(n, layout, seed=5)
+        half = n // 4  # one put holds at most the host tier
+        for i in range(0, n, half):
+            assert c.put(keys[i:i + half], blocks[i:i + half]) == half
+        assert c.stats()["tiers"]["host"]["capacity_bytes"] == parse_size(capacity)
+        assert c.lookup(keys) == n
+        for i in range(0, n, half):
+            got = c.get(keys[i:i + half])
+            assert torch.equal(got.view(torch.int16), blocks[i:i + half].view(torch.int16))

@@ -49,3 +49,47 @@ def test_default_config_file_loads():
 
     cfg = load_config(Path(__file__).parents[1] / "configs" / "default.toml", env={})
     assert cfg.server.data_dir
+
+
+def _disk_docs() -> dict[str, tuple[str, str]]:
+    """Where the disk tier's eviction is documented: place -> (text, the policy in effect there)."""
+    import ast
+    from pathlib import Path
+
+    from tierkv.daemon.config import DiskConfig
+
+    root = Path(__file__).parents[1]
+    default = DiskConfig().policy
+    tree = ast.parse((root / "tierkv" / "daemon" / "config.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DiskConfig")
+    field_docs = [n.value.value for n in cls.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)]
+    docs = {"config.py DiskConfig": ("\n".join(field_docs), default)}
+    for path in sorted((root / "configs").glob("*.toml")):
+        section = path.read_text().split("[disk]", 1)[1].split("\n[", 1)[0]
+        policy = load_config(path, env={}).disk.policy
+        docs[path.name] = ("\n".join(ln for ln in section.splitlines() if ln.lstrip().startswith("#")), policy)
+    readme = [ln for ln in (root / "README.md").read_text().splitlines() if ln.startswith("| `disk.")]
+    docs["README.md"] = ("\n".join(readme), default)
+    return docs
+
+
+def test_disk_eviction_docs_match_the_policy():
+    for place, (text, policy) in _disk_docs().items():
+        lowered = text.lower().replace("-", " ")
+        if policy != "lru":
+            assert "least recently used" not in lowered, f"{place} says LRU, the policy is {policy}"
+
+
+@pytest.mark.parametrize("capacity", ["8MiB", "16MiB", "4KiB"])
+def test_small_host_capacity_with_the_default_slab(capacity):
+    cfg = load_config(env={}, overrides={"host.capacity": capacity})
+    assert cfg.host.capacity == parse_size(capacity) and cfg.host.slab_bytes == 32 << 20
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("host.capacity", "100", "host.capacity"),
+    ("host.slab_bytes", "5000", "host.slab_bytes"),
+])
+def test_bad_host_sizes(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(env={}, overrides={key: value})

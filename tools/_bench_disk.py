@@ -332,12 +332,12 @@ def value_reads(mdb: Path, fks: list[bytes], threads: int) -> float:
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    from tierkv.tiers.disk import _META, _PAGE_HDR, PAGE, _PageMap
+    from tierkv.tiers.disk.pages import META, PAGE, PAGE_HDR, PageMap
 
     with open(mdb, "rb") as f:
         head = f.read(2 * PAGE)
-    txnid = max(_META.unpack_from(head, pg * PAGE + _PAGE_HDR.size)[-1] for pg in (0, 1))
-    view, items = _PageMap(mdb).walk(txnid)
+    txnid = max(META.unpack_from(head, pg * PAGE + PAGE_HDR.size)[-1] for pg in (0, 1))
+    view, items = PageMap(mdb).walk(txnid)
     where = {k: (off, size) for k, off, size in items}
     spans = []
     for fk in fks:

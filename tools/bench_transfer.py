@@ -217,61 +217,71 @@ def bench_budget(tmp: Path, seconds: float, cap: int) -> dict:
 
 
 # ---- (d) GPU tier ------------------------------------------------------------------------------------------
+def gpu_reference(src: torch.Tensor, engine: torch.Tensor, cuda: bool) -> dict[str, float]:
+    """GB/s of plain torch copies of the same bytes: pinned H2D and D2H and D2D on CUDA, memcpy without."""
+    nbytes = src.numel() * src.element_size()
+    if not cuda:
+        m = nbytes / memcpy_s(nbytes) / GB
+        return {"h2d": m, "d2h": m, "d2d": m}
+    pinned = torch.empty_like(src).pin_memory()
+    pinned.copy_(src)
+    dst_dev = torch.empty_like(engine)
+    ref = {}
+    for name, fn in (("h2d", lambda: dst_dev.copy_(pinned, non_blocking=True)),
+                     ("d2h", lambda: pinned.copy_(dst_dev, non_blocking=True)),
+                     ("d2d", lambda: dst_dev.copy_(engine))):
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        ref[name] = nbytes / best / GB
+    return ref
+
+
+def gpu_rounds(c: tierkv.Client, engine: torch.Tensor, cuda: bool, rounds: int = 3) -> dict[str, list[float]]:
+    """GB/s per round of a D2D store into GPU slots, its drain to host slots and a promotion back."""
+    n = engine.shape[0]
+    nbytes = n * BB
+    sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
+    got: dict[str, list[float]] = {"d2d_store": [], "d2h_drain": [], "h2d_promote": []}
+    for r in range(rounds):
+        k = keys(c, n, 500 + r)
+        sync()
+        t = time.perf_counter()
+        c.put(k, engine, tier="gpu")          # engine tensor -> GPU slots, then commit
+        got["d2d_store"].append(nbytes / (time.perf_counter() - t) / GB)
+        t = time.perf_counter()
+        with c.acquire(k) as lease:  # a host lease waits for the drain: GPU -> pinned host slots
+            assert lease.count == n
+        got["d2h_drain"].append(nbytes / (time.perf_counter() - t) / GB)
+        # make the GPU copies go away (another batch of the same size evicts them), then promote
+        c.put(keys(c, n, 900 + r), engine, tier="gpu")
+        c.put(keys(c, n, 950 + r), engine, tier="gpu")
+        wait_until(lambda: c.stats()["tiers"]["gpu"]["draining"] == 0, 120)
+        assert c.lookup_tiers(k)[0] == "host"
+        t = time.perf_counter()
+        with c.wait(c.fetch(k, tier="gpu"), timeout=None) as lease:  # pinned host -> GPU slots
+            assert lease.count == n
+        got["h2d_promote"].append(nbytes / (time.perf_counter() - t) / GB)
+    return got
+
+
 def bench_gpu(tmp: Path, blocks: torch.Tensor) -> dict:
     cuda = torch.cuda.is_available()
     n = 128  # 256 MiB
     src = blocks[:n]
-    nbytes = n * BB
     d = Daemon(tmp / "d", str(tmp / "d.sock"), ["--host-capacity", "1GiB", "--disk-capacity", "4GiB",
                                                 "--gpu-capacity", "512MiB", "--gpu-device", "cuda" if cuda else "cpu"]
                ).start()
-    res: dict = {"kind": "cuda" if cuda else "standin", "bytes": nbytes}
+    res: dict = {"kind": "cuda" if cuda else "standin", "bytes": n * BB}
     try:
         with tierkv.Client.connect(d.sock, model="bench", layout=LLAMA) as c:
-            dev = c.gpu_device
-            engine = src.to(dev)
-            sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
-            # references: plain torch copies of the same bytes
-            if cuda:
-                pinned = torch.empty_like(src).pin_memory()
-                pinned.copy_(src)
-                dst_dev = torch.empty_like(engine)
-                ref = {}
-                for name, fn in (("h2d", lambda: dst_dev.copy_(pinned, non_blocking=True)),
-                                 ("d2h", lambda: pinned.copy_(dst_dev, non_blocking=True)),
-                                 ("d2d", lambda: dst_dev.copy_(engine))):
-                    best = float("inf")
-                    for _ in range(5):
-                        sync()
-                        t = time.perf_counter()
-                        fn()
-                        sync()
-                        best = min(best, time.perf_counter() - t)
-                    ref[name] = nbytes / best / GB
-            else:
-                m = nbytes / memcpy_s(nbytes) / GB
-                ref = {"h2d": m, "d2h": m, "d2d": m}
-            res["reference_GBps"] = ref
-            got: dict[str, list[float]] = {"d2d_store": [], "d2h_drain": [], "h2d_promote": []}
-            for r in range(3):
-                k = keys(c, n, 500 + r)
-                sync()
-                t = time.perf_counter()
-                c.put(k, engine, tier="gpu")          # engine tensor -> GPU slots, then commit
-                got["d2d_store"].append(nbytes / (time.perf_counter() - t) / GB)
-                t = time.perf_counter()
-                with c.acquire(k) as lease:  # a host lease waits for the drain: GPU -> pinned host slots
-                    assert lease.count == n
-                got["d2h_drain"].append(nbytes / (time.perf_counter() - t) / GB)
-                # make the GPU copies go away (another batch of the same size evicts them), then promote
-                c.put(keys(c, n, 900 + r), engine, tier="gpu")
-                c.put(keys(c, n, 950 + r), engine, tier="gpu")
-                wait_until(lambda: c.stats()["tiers"]["gpu"]["draining"] == 0, 120)
-                assert c.lookup_tiers(k)[0] == "host"
-                t = time.perf_counter()
-                with c.wait(c.fetch(k, tier="gpu"), timeout=None) as lease:  # pinned host -> GPU slots
-                    assert lease.count == n
-                got["h2d_promote"].append(nbytes / (time.perf_counter() - t) / GB)
+            engine = src.to(c.gpu_device)
+            ref = res["reference_GBps"] = gpu_reference(src, engine, cuda)
+            got = gpu_rounds(c, engine, cuda)
             res["tierkv_GBps"] = {k: max(v) for k, v in got.items()}
             res["all"] = got
             res["ratio"] = {"h2d": res["tierkv_GBps"]["h2d_promote"] / ref["h2d"],
@@ -281,6 +291,48 @@ def bench_gpu(tmp: Path, blocks: torch.Tensor) -> dict:
         return res
     finally:
         d.stop()
+
+
+def run_sections(args: argparse.Namespace, skip: set[str], base: Path, blocks: torch.Tensor, out: dict) -> None:
+    """Run the sections not in ``skip``, print one line each and add their figures to ``out``."""
+    from tierkv.core.units import parse_size
+
+    if "a" not in skip:
+        wb = bench_store(base, blocks, True, args.reps)
+        nowb = bench_store(base, blocks, False, 1)
+        out["a"] = {"write_behind": wb, "no_write_behind": nowb}
+        b0 = wb["bursts"][0]
+        print(f"(a) put 512 MiB into a full host tier, {args.reps} bursts: median {wb['ratio_median']:.2f}x, best "
+              f"{wb['ratio_best']:.2f}x the paired memcpy (e.g. {b0['put_s'] * 1e3:.0f} vs {b0['memcpy_s'] * 1e3:.0f}"
+              f" ms; target <= 1.2x); write-behind off: {nowb['ratio_median']:.2f}x; disk blocks "
+              f"{b0['disk_blocks_before']} before a burst, {b0['disk_blocks_at_return']} at its return, "
+              f"{wb['disk_blocks_after']} after (write-back behind the puts)", flush=True)
+    if "b" not in skip:
+        b = bench_prefetch(base, blocks)
+        b["ratio"] = b["prefetched_get_s"] / b["host_get_s"]
+        out["b"] = b
+        print(f"(b) get 256 MiB: cold from disk {b['disk_get_s'] * 1e3:.0f} ms; after prefetch + "
+              f"{b['disk_get_s'] * 1e3:.0f} ms wait {b['prefetched_get_s'] * 1e3:.0f} ms; host-tier get "
+              f"{b['host_get_s'] * 1e3:.0f} ms -> {b['ratio']:.2f}x (target <= 1.2x)", flush=True)
+    if "c" not in skip:
+        c = bench_budget(base, args.seconds, parse_size(args.cap))
+        unl_loss = 1 - c["unlimited"] / c["alone"]
+        bud_loss = 1 - c["budget"] / c["alone"]
+        share = c["cap_bytes_per_s"] / max(c["unlimited_link_bytes_per_s"], 1)
+        c.update({"loss_unlimited": unl_loss, "loss_budget": bud_loss, "budget_share_of_unlimited": share,
+                  "link_vs_cap": c["budget_link_bytes_per_s"] / c["cap_bytes_per_s"]})
+        out["c"] = c
+        print(f"(c) compute loop: alone {c['alone']:.1f} it/s; with unlimited offload {c['unlimited']:.1f} "
+              f"({-unl_loss:+.0%}, link {c['unlimited_link_bytes_per_s'] / 1e6:.0f} MB/s); with budget "
+              f"{c['cap_bytes_per_s'] / 1e6:.0f} MB/s {c['budget']:.1f} (-{bud_loss:.0%}, link "
+              f"{c['budget_link_bytes_per_s'] / 1e6:.0f} MB/s = {c['link_vs_cap']:.2f}x the cap; the cap is "
+              f"{share:.0%} of the unlimited rate)", flush=True)
+    if "d" not in skip:
+        g = bench_gpu(base, blocks)
+        out["d"] = g
+        print(f"(d) GPU tier ({g['kind']}): " + ", ".join(
+            f"{k} {g['tierkv_GBps'][t]:.2f} GB/s vs {g['reference_GBps'][k]:.2f} = {g['ratio'][k]:.2f}x"
+            for k, t in (("h2d", "h2d_promote"), ("d2h", "d2h_drain"), ("d2d", "d2d_store"))), flush=True)
 
 
 def main() -> None:
@@ -293,49 +345,12 @@ def main() -> None:
     ap.add_argument("--tmp", default=None, help="work directory (default: a temp dir next to the repo)")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) - {""}
-    from tierkv.core.units import parse_size
-
     base = Path(args.tmp or tempfile.mkdtemp(prefix="bench-transfer-", dir=Path(__file__).resolve().parents[1]))
     base.mkdir(parents=True, exist_ok=True)
     blocks = torch.randn(LLAMA.batch_shape(256), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     out: dict = {"machine": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available()}}
     try:
-        if "a" not in skip:
-            wb = bench_store(base, blocks, True, args.reps)
-            nowb = bench_store(base, blocks, False, 1)
-            out["a"] = {"write_behind": wb, "no_write_behind": nowb}
-            b0 = wb["bursts"][0]
-            print(f"(a) put 512 MiB into a full host tier, {args.reps} bursts: median {wb['ratio_median']:.2f}x, best "
-                  f"{wb['ratio_best']:.2f}x the paired memcpy (e.g. {b0['put_s'] * 1e3:.0f} vs {b0['memcpy_s'] * 1e3:.0f}"
-                  f" ms; target <= 1.2x); write-behind off: {nowb['ratio_median']:.2f}x; disk blocks "
-                  f"{b0['disk_blocks_before']} before a burst, {b0['disk_blocks_at_return']} at its return, "
-                  f"{wb['disk_blocks_after']} after (write-back behind the puts)", flush=True)
-        if "b" not in skip:
-            b = bench_prefetch(base, blocks)
-            b["ratio"] = b["prefetched_get_s"] / b["host_get_s"]
-            out["b"] = b
-            print(f"(b) get 256 MiB: cold from disk {b['disk_get_s'] * 1e3:.0f} ms; after prefetch + "
-                  f"{b['disk_get_s'] * 1e3:.0f} ms wait {b['prefetched_get_s'] * 1e3:.0f} ms; host-tier get "
-                  f"{b['host_get_s'] * 1e3:.0f} ms -> {b['ratio']:.2f}x (target <= 1.2x)", flush=True)
-        if "c" not in skip:
-            c = bench_budget(base, args.seconds, parse_size(args.cap))
-            unl_loss = 1 - c["unlimited"] / c["alone"]
-            bud_loss = 1 - c["budget"] / c["alone"]
-            share = c["cap_bytes_per_s"] / max(c["unlimited_link_bytes_per_s"], 1)
-            c.update({"loss_unlimited": unl_loss, "loss_budget": bud_loss, "budget_share_of_unlimited": share,
-                      "link_vs_cap": c["budget_link_bytes_per_s"] / c["cap_bytes_per_s"]})
-            out["c"] = c
-            print(f"(c) compute loop: alone {c['alone']:.1f} it/s; with unlimited offload {c['unlimited']:.1f} "
-                  f"({-unl_loss:+.0%}, link {c['unlimited_link_bytes_per_s'] / 1e6:.0f} MB/s); with budget "
-                  f"{c['cap_bytes_per_s'] / 1e6:.0f} MB/s {c['budget']:.1f} (-{bud_loss:.0%}, link "
-                  f"{c['budget_link_bytes_per_s'] / 1e6:.0f} MB/s = {c['link_vs_cap']:.2f}x the cap; the cap is "
-                  f"{share:.0%} of the unlimited rate)", flush=True)
-        if "d" not in skip:
-            g = bench_gpu(base, blocks)
-            out["d"] = g
-            print(f"(d) GPU tier ({g['kind']}): " + ", ".join(
-                f"{k} {g['tierkv_GBps'][t]:.2f} GB/s vs {g['reference_GBps'][k]:.2f} = {g['ratio'][k]:.2f}x"
-                for k, t in (("h2d", "h2d_promote"), ("d2h", "d2h_drain"), ("d2d", "d2d_store"))), flush=True)
+        run_sections(args, skip, base, blocks, out)
     finally:
         import shutil
 

@@ -55,7 +55,8 @@ class HostConfig:
     capacity: int = 1 << 30
     """Bytes of shared memory for block slots."""
     slab_bytes: int = 32 << 20
-    """Slab size; a namespace's slot must fit in one slab. Slabs move between slot sizes as needed."""
+    """Slab size; a namespace's slot must fit in one slab. Slabs move between slot sizes as needed. A
+    host tier smaller than one slab is one slab of its own size."""
     high_watermark: float = 0.95
     """Start demoting to disk when used/capacity exceeds this."""
     low_watermark: float = 0.85
@@ -86,7 +87,7 @@ class DiskConfig:
     codec_level: int = 1
     """zstd level used by the codec."""
     high_watermark: float = 0.95
-    """Drop least-recently-used blocks when used/capacity exceeds this."""
+    """Drop blocks (those ``policy`` picks) when used/capacity exceeds this."""
     low_watermark: float = 0.90
     """Drop until used/capacity falls below this."""
     workers: int = 2
@@ -96,7 +97,7 @@ class DiskConfig:
     write_batch: int = 256
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
     policy: str = "attention"
-    """Eviction policy for this tier (what to drop when the disk is full)."""
+    """Eviction policy for this tier: what to drop above the high watermark (lru, lfu, slru, gdsf, attention)."""
     admission: Literal["predicted", "all", "reused", "pinned"] = "predicted"
     """Which host victims are written to disk: ``predicted`` (every one while the writer keeps up; under
     pressure those whose learned chance of a return, times the recompute time saved, beats the write),
@@ -154,66 +155,16 @@ class Config:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad setting."""
-        h, d, s = self.host, self.disk, self.server
-        if h.capacity <= 0:
-            raise ValueError("host.capacity must be > 0")
-        if s.lookup_index_slots != 0 and not 1024 <= s.lookup_index_slots <= 1 << 30:
-            raise ValueError("server.lookup_index_slots must be 0 (off) or between 1024 and 2^30")
-        if h.slab_bytes < 4096 or h.slab_bytes > h.capacity:
-            raise ValueError("host.slab_bytes must be between 4 KiB and host.capacity")
-        for name, lo, hi in (("host", h.low_watermark, h.high_watermark), ("disk", d.low_watermark, d.high_watermark)):
-            if not (0 < lo <= hi <= 1):
-                raise ValueError(f"{name} watermarks must satisfy 0 < low <= high <= 1")
-        if d.enabled and d.capacity < (1 << 20):
-            raise ValueError("disk.capacity must be at least 1 MiB")
-        g = self.gpu
-        if g.capacity < 0:
-            raise ValueError("gpu.capacity must be >= 0 (0 turns the GPU tier off)")
-        if g.slab_bytes < 4096 or g.slab_bytes % 4096:
-            raise ValueError("gpu.slab_bytes must be a multiple of 4 KiB (at least 4 KiB)")
-        dev = g.device.strip().lower()
-        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-            raise ValueError(f"gpu.device: expected auto, cpu, cuda or cuda:N, got {g.device!r}")
-        if d.workers < 1 or d.workers > 64:
-            raise ValueError("disk.workers must be between 1 and 64")
-        if d.write_batch < 1:
-            raise ValueError("disk.write_batch must be >= 1")
-        if s.max_frame_bytes < 4096:
-            raise ValueError("server.max_frame_bytes must be >= 4096")
-        if s.drain_timeout_s < 0:
-            raise ValueError("server.drain_timeout_s must be >= 0")
-        if s.sample_interval_s < 0 or not 1 <= s.sample_count <= 1 << 20:
-            raise ValueError("server.sample_interval_s must be >= 0 and server.sample_count within 1..2^20")
-        if s.metrics_addr:
-            from tierkv.daemon.metrics import parse_addr
-
-            parse_addr(s.metrics_addr)
-        if not 0 <= h.write_behind_above <= 1:
-            raise ValueError("host.write_behind_above must be within 0..1")
-        if not 0 <= h.max_pinned_fraction <= 1:
-            raise ValueError("host.max_pinned_fraction must be within 0..1")
-        from tierkv.cache.policy import policy_class, policy_names
-
-        for name, value in (("host.policy", h.policy), ("disk.policy", d.policy)):
-            if value not in policy_names():
-                raise ValueError(f"{name}: unknown policy {value!r} (known: {', '.join(policy_names())})")
-        # A weight is kept even while the active policies lack it (it applies when one that has it is
-        # chosen); a key no built-in policy knows is a typo.
-        every = {n: policy_class(n).SETTINGS for n in policy_names()}
-        for key, value in self.policy.items():
-            owners = [n for n, settings in every.items() if key in settings]
-            if not owners:
-                known = sorted({k for settings in every.values() for k in settings})
-                raise ValueError(f"policy.{key}: no policy has this setting (settings: {', '.join(known)})")
-            for n in owners:
-                every[n][key].coerce(f"policy.{key}", value)
-        from tierkv.codecs import available_codecs
-
-        if d.codec not in available_codecs():
-            raise ValueError(f"disk.codec: unknown codec {d.codec!r} (known: {', '.join(available_codecs())})")
+        _check_server(self.server)
+        _check_host(self.host)
+        _check_disk(self.disk)
+        _check_gpu(self.gpu)
+        _check_policies(self)
         for name in ("host_disk", "gpu_host", "host_remote"):
             if getattr(self.budget, name) < 0:
                 raise ValueError(f"budget.{name} must be >= 0")
+        from tierkv.codecs import available_codecs
+
         self.remote.validate(available_codecs())
 
     def policy_settings(self, name: str) -> dict[str, Any]:
@@ -244,6 +195,80 @@ class Config:
             raise ValueError(f"unknown setting {dotted!r}; {section} has: {', '.join(hints)}")
         setattr(obj, key, _convert(dotted, hints[key], value, key))
         self.sources[dotted] = source
+
+
+def _check_server(s: ServerConfig) -> None:
+    if s.lookup_index_slots != 0 and not 1024 <= s.lookup_index_slots <= 1 << 30:
+        raise ValueError("server.lookup_index_slots must be 0 (off) or between 1024 and 2^30")
+    if s.max_frame_bytes < 4096:
+        raise ValueError("server.max_frame_bytes must be >= 4096")
+    if s.drain_timeout_s < 0:
+        raise ValueError("server.drain_timeout_s must be >= 0")
+    if s.sample_interval_s < 0 or not 1 <= s.sample_count <= 1 << 20:
+        raise ValueError("server.sample_interval_s must be >= 0 and server.sample_count within 1..2^20")
+    if s.metrics_addr:
+        from tierkv.daemon.metrics import parse_addr
+
+        parse_addr(s.metrics_addr)
+
+
+def _check_host(h: HostConfig) -> None:
+    if h.capacity < 4096:
+        raise ValueError("host.capacity must be at least 4 KiB")
+    if h.slab_bytes < 4096 or h.slab_bytes % 4096:
+        raise ValueError("host.slab_bytes must be a multiple of 4 KiB (at least 4 KiB)")
+    _check_watermarks("host", h.low_watermark, h.high_watermark)
+    if not 0 <= h.write_behind_above <= 1:
+        raise ValueError("host.write_behind_above must be within 0..1")
+    if not 0 <= h.max_pinned_fraction <= 1:
+        raise ValueError("host.max_pinned_fraction must be within 0..1")
+
+
+def _check_disk(d: DiskConfig) -> None:
+    _check_watermarks("disk", d.low_watermark, d.high_watermark)
+    if d.enabled and d.capacity < (1 << 20):
+        raise ValueError("disk.capacity must be at least 1 MiB")
+    if d.workers < 1 or d.workers > 64:
+        raise ValueError("disk.workers must be between 1 and 64")
+    if d.write_batch < 1:
+        raise ValueError("disk.write_batch must be >= 1")
+    from tierkv.codecs import available_codecs
+
+    if d.codec not in available_codecs():
+        raise ValueError(f"disk.codec: unknown codec {d.codec!r} (known: {', '.join(available_codecs())})")
+
+
+def _check_watermarks(name: str, low: float, high: float) -> None:
+    if not (0 < low <= high <= 1):
+        raise ValueError(f"{name} watermarks must satisfy 0 < low <= high <= 1")
+
+
+def _check_gpu(g: GpuConfig) -> None:
+    if g.capacity < 0:
+        raise ValueError("gpu.capacity must be >= 0 (0 turns the GPU tier off)")
+    if g.slab_bytes < 4096 or g.slab_bytes % 4096:
+        raise ValueError("gpu.slab_bytes must be a multiple of 4 KiB (at least 4 KiB)")
+    dev = g.device.strip().lower()
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise ValueError(f"gpu.device: expected auto, cpu, cuda or cuda:N, got {g.device!r}")
+
+
+def _check_policies(cfg: Config) -> None:
+    from tierkv.cache.policy import policy_class, policy_names
+
+    for name, value in (("host.policy", cfg.host.policy), ("disk.policy", cfg.disk.policy)):
+        if value not in policy_names():
+            raise ValueError(f"{name}: unknown policy {value!r} (known: {', '.join(policy_names())})")
+    # A weight is kept even while the active policies lack it (it applies when one that has it is
+    # chosen); a key no built-in policy knows is a typo.
+    every = {n: policy_class(n).SETTINGS for n in policy_names()}
+    for key, value in cfg.policy.items():
+        owners = [n for n, settings in every.items() if key in settings]
+        if not owners:
+            known = sorted({k for settings in every.values() for k in settings})
+            raise ValueError(f"policy.{key}: no policy has this setting (settings: {', '.join(known)})")
+        for n in owners:
+            every[n][key].coerce(f"policy.{key}", value)
 
 
 _SIZE_KEYS = {"capacity", "slab_bytes", "max_frame_bytes", "host_disk", "gpu_host", "host_remote", "batch_bytes"}

@@ -33,6 +33,7 @@ class _Slab:
     nslots: int
     free: list[int] = field(default_factory=list)
     used: int = 0
+    taken: bytearray = field(default_factory=bytearray)  # 1 per slot handed out: a second free is refused
 
 
 def shared_mapping(name: str, nbytes: int, prefault: bool = True) -> tuple[int, mmap.mmap]:
@@ -59,15 +60,24 @@ class SlabAllocator:
 
     The host pool (a memfd) and the GPU tier's device pool share it. Not thread-safe: the block table
     serialises calls.
+
+    Args:
+        capacity: bytes of the region; what is left past the last whole slab is not used.
+        slab_bytes: slab size, a multiple of 4 KiB. A region smaller than one slab is one slab of the
+            region's size (rounded down to 4 KiB), so a small tier works with the default slab size.
+
+    Raises:
+        ValueError: ``slab_bytes`` is not a multiple of 4 KiB, or ``capacity`` is under 4 KiB.
     """
 
     def __init__(self, capacity: int, slab_bytes: int) -> None:
-        if slab_bytes % SLOT_ALIGN:
-            raise ValueError("slab_bytes must be a multiple of 4 KiB")
+        if slab_bytes <= 0 or slab_bytes % SLOT_ALIGN:
+            raise ValueError(f"slab_bytes must be a positive multiple of 4 KiB, got {slab_bytes}")
+        slab_bytes = min(slab_bytes, capacity // SLOT_ALIGN * SLOT_ALIGN)
         self.slab_bytes = slab_bytes
+        if slab_bytes < SLOT_ALIGN:
+            raise ValueError(f"pool capacity must be at least 4 KiB, got {capacity}")
         self.nslabs = capacity // slab_bytes
-        if self.nslabs < 1:
-            raise ValueError("pool capacity must hold at least one slab")
         self.capacity = self.nslabs * slab_bytes
         self._slabs: list[_Slab | None] = [None] * self.nslabs
         self._free_slabs = list(range(self.nslabs - 1, -1, -1))
@@ -76,7 +86,13 @@ class SlabAllocator:
         self.used_slots = 0
 
     def alloc(self, slot_size: int) -> int | None:
-        """Offset of a free slot of ``slot_size`` bytes, or None when the pool has no room for it."""
+        """Offset of a free slot of ``slot_size`` bytes, or None when the pool has no room for it.
+
+        Raises:
+            ValueError: ``slot_size`` is not a positive multiple of 4 KiB, or larger than a slab.
+        """
+        if slot_size <= 0 or slot_size % SLOT_ALIGN:
+            raise ValueError(f"a slot size must be a positive multiple of 4 KiB, got {slot_size}")
         if slot_size > self.slab_bytes:
             raise ValueError(f"a slot of {slot_size} bytes does not fit a {self.slab_bytes}-byte slab")
         partial = self._partial.setdefault(slot_size, {})
@@ -85,13 +101,14 @@ class SlabAllocator:
         elif self._free_slabs:
             idx = self._free_slabs.pop()
             n = self.slab_bytes // slot_size
-            slab = _Slab(idx, slot_size, n, list(range(n - 1, -1, -1)))
+            slab = _Slab(idx, slot_size, n, list(range(n - 1, -1, -1)), taken=bytearray(n))
             self._slabs[idx] = slab
             partial[idx] = None
         else:
             return None
         assert slab is not None
         slot = slab.free.pop()
+        slab.taken[slot] = 1
         slab.used += 1
         if not slab.free:
             del partial[slab.index]
@@ -100,10 +117,16 @@ class SlabAllocator:
         return slab.index * self.slab_bytes + slot * slot_size
 
     def free(self, offset: int) -> None:
-        """Return a slot; a slab whose last slot is freed goes back to the shared free list."""
+        """Return a slot; a slab whose last slot is freed goes back to the shared free list.
+
+        Raises:
+            ValueError: ``offset`` is not a slot handed out by :meth:`alloc` and not freed since.
+        """
         slab = self._slab_of(offset)
         slot, rem = divmod(offset - slab.index * self.slab_bytes, slab.slot_size)
-        assert rem == 0 and slot < slab.nslots, "misaligned slot offset"
+        if rem or slot >= slab.nslots or not slab.taken[slot]:
+            raise ValueError(f"offset {offset} is not an allocated slot")
+        slab.taken[slot] = 0
         slab.free.append(slot)
         slab.used -= 1
         self.used_bytes -= slab.slot_size

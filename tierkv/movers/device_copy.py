@@ -1,0 +1,85 @@
+"""Device copies: host <-> gpu slot copies on two queues, loads on the high-priority one."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tierkv.movers.budget import LinkBudgets
+from tierkv.movers.jobs import Job, JobBook
+from tierkv.movers.streams import Copy, make_queue
+
+log = logging.getLogger("tierkv.movers.transfer")
+
+
+class DeviceMover:
+    """Serves the GPU tier ``pool``: two copy queues and, on CUDA, the host pool registered as pinned
+    memory so copies are DMA, not staged.
+
+    Args:
+        book: the engine's job ids and counters (links ``host->gpu`` and ``gpu->host`` are added).
+        budgets: the link budgets (``gpu<->host``).
+        pool: the GPU tier's device pool (or its CPU stand-in).
+        host: the host pool.
+    """
+
+    def __init__(self, book: JobBook, budgets: LinkBudgets, pool: Any, host: Any) -> None:
+        self.pool = pool
+        self.registered = 0  # host pool address registered with cudaHostRegister
+        self._book = book
+        self._budgets = budgets
+        if pool.kind == "cuda":
+            from tierkv.core import cuda
+
+            ptr = int(host.array.ctypes.data)
+            cuda.host_register(ptr, host.capacity)
+            self.registered = ptr
+        self._h2d = make_queue(pool.kind, "h2d", pool.index, high_priority=True, gate=self._gate)
+        self._d2h = make_queue(pool.kind, "d2h", pool.index, high_priority=False, gate=self._gate)
+        book.add_links("host->gpu", "gpu->host")
+
+    def _gate(self, nbytes: int) -> Any:
+        return self._budgets.transfer("gpu<->host", nbytes)
+
+    def to_device(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> Job:
+        """Host slots -> GPU slots on the load queue (it never waits behind stores)."""
+        return self._job(("host", "gpu"), self._h2d, copies, on_done)
+
+    def to_host(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> Job:
+        """GPU slots -> host slots on the store queue (the drain behind a GPU-tier commit)."""
+        return self._job(("gpu", "host"), self._d2h, copies, on_done)
+
+    def _job(self, route: tuple[str, str], q: Any, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> Job:
+        job = self._book.open(route, [])  # its copies report through on_done; done is set after
+        link = "->".join(route)
+        book = self._book
+        t0 = time.perf_counter()
+
+        def done(cs: list[Copy]) -> None:
+            job.seconds = time.perf_counter() - t0
+            with book.lock:
+                book.inflight -= 1
+                book.link_seconds[link] += job.seconds
+                book.link_bytes[link] += sum(c.src.numel() for c in cs if c.ok)
+            try:
+                on_done(cs)
+            finally:
+                job.done.set()
+
+        q.submit(copies, done)
+        return job
+
+    def close(self) -> None:
+        """Stop the copy queues and unregister the host pool."""
+        self._h2d.close()
+        self._d2h.close()
+        if self.registered:
+            from tierkv.core import cuda
+
+            try:
+                cuda.host_unregister(self.registered)
+            except Exception as exc:
+                log.warning("cudaHostUnregister: %s", exc)
+            self.registered = 0

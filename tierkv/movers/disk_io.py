@@ -1,0 +1,285 @@
+"""Disk I/O: host -> disk stores and disk -> host loads, with the codecs.
+
+Stores encode on worker threads (zstd releases the GIL, so several blocks are in flight) and are
+written by one writer thread in batched LMDB transactions, group-committed. Loads read and decode on
+their own worker pool, so a load never queues behind stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from tierkv.cache.costmodel import CostModel
+from tierkv.codecs import CodecError, decode_block, encode_block
+from tierkv.core.errors import TierKVError
+from tierkv.movers.budget import LinkBudgets
+from tierkv.movers.jobs import Job, JobBook, Move
+from tierkv.tiers.disk import DiskError, DiskTier
+
+log = logging.getLogger("tierkv.movers.transfer")
+# Group commit: a written store job waits for the one sync that makes it durable at most this many jobs
+# or seconds (less when the writer finds nothing else queued).
+GROUP_COMMIT_JOBS = 8
+GROUP_COMMIT_S = 0.05
+LOAD_THREADS = 4  # at least this many disk -> host loads in flight (see TransferEngine.__init__)
+
+
+class DiskMover:
+    """Stores and loads between the host tier and the disk tier.
+
+    Args:
+        disk: the disk tier (None: no disk; only empty stores are expected).
+        book: the engine's job ids and link counters.
+        budgets: the link budgets (``host<->disk``).
+        cost: the cost model, fed the measured load rates.
+        encode: worker pool for encodes; decode: worker pool for loads.
+        codec, level: codec and zstd level of new writes (settable while running).
+        make_room: called before each write with its incoming bytes; returns LMDB keys to delete with it.
+        write_batch: most blocks in one transaction (also capped at ``write_batch_bytes``).
+    """
+
+    def __init__(self, disk: DiskTier | None, book: JobBook, budgets: LinkBudgets, cost: CostModel,
+                 encode: ThreadPoolExecutor, decode: ThreadPoolExecutor, codec: str, level: int,
+                 make_room: Callable[[int], list[bytes]] | None, write_batch: int) -> None:
+        self.disk = disk
+        self.codec = codec
+        self.level = level
+        self.write_batch = write_batch
+        self.write_batch_bytes = 48 << 20
+        self._book = book
+        self._budgets = budgets
+        self._cost = cost
+        self._encode = encode
+        self._decode = decode
+        self._make_room = make_room
+        self._orphans: list[bytes] = []  # evicted by the table, still in LMDB (their delete failed)
+        self._stores: queue.Queue[Job | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- stores: host -> disk -------------------------------------------------------------------
+    def store(self, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
+        """Queue an encode + write of ``moves``; the slots must stay untouched until the job is done."""
+        job = self._book.open(("host", "disk"), moves, on_done)
+        if self._stores.qsize() < 2:  # its first batch encodes now, while the writer finishes the job before
+            try:
+                self._encode_first(job)
+            except RuntimeError:  # the engine is closing: the writer (if still there) encodes it
+                job.encoded = []
+        self._stores.put(job)
+        return job
+
+    def store_backlog(self) -> int:
+        """Store jobs queued behind the one being written (0: the writer keeps up)."""
+        return self._stores.qsize()
+
+    def _write_loop(self) -> None:
+        # Group commit: each commit syncs its data pages, and one sync of the meta page makes every
+        # commit before it durable. Jobs written back to back share that sync: a job is finished (a
+        # durable put acknowledged) once the writer finds the queue empty, or several jobs or a
+        # moment have gone by, and has synced.
+        unsynced: list[tuple[Job, float]] = []  # written, not yet synced: (job, when written)
+        while True:
+            job = self._stores.get()
+            if job is None:
+                self._sync(unsynced)
+                return
+            jobs = [job] + self._take_queued(job)
+            t0 = time.perf_counter()
+            self._write_guarded(jobs)
+            seconds = time.perf_counter() - t0
+            self._book.link_seconds["host->disk"] += seconds
+            for j in jobs:
+                j.seconds = seconds
+                unsynced.append((j, t0 + seconds))  # when it was written
+            if self._stores.empty() or len(unsynced) >= GROUP_COMMIT_JOBS or \
+                    time.perf_counter() - unsynced[0][1] > GROUP_COMMIT_S:
+                self._sync(unsynced)
+                unsynced = []
+
+    def _write_guarded(self, jobs: list[Job]) -> None:
+        """Write ``jobs``; a failure fails each of them, and never ends the writer thread."""
+        try:
+            self._write_jobs(jobs)
+        except TierKVError as exc:
+            for j in jobs:
+                j.error = exc
+            self._book.failures += 1
+            log.warning("disk write of %d blocks failed: %s", sum(len(j.moves) for j in jobs), exc)
+        except Exception as exc:
+            for j in jobs:
+                j.error = TierKVError(f"disk write failed: {exc}")
+            self._book.failures += 1
+            log.exception("disk writer")
+
+    def _take_queued(self, job: Job) -> list[Job]:
+        """Store jobs queued behind ``job`` that fit in its transaction: several small commits (a
+        streamed put's first chunks, many one-block puts) cost more than one of their total size."""
+        if not job.moves:
+            return []
+        size, count = sum(m.view.nbytes for m in job.moves), len(job.moves)
+        taken: list[Job] = []
+        with self._stores.mutex:
+            q = self._stores.queue
+            while q and q[0] is not None and q[0].moves:
+                more = sum(m.view.nbytes for m in q[0].moves)
+                if size + more > self.write_batch_bytes or count + len(q[0].moves) > self.write_batch:
+                    break
+                size, count = size + more, count + len(q[0].moves)
+                taken.append(q.popleft())
+        return taken
+
+    def _sync(self, jobs: list[tuple[Job, float]]) -> None:
+        """One sync for the written jobs, then finish them (a failed sync fails those not failed yet)."""
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.disk is not None:
+                self.disk.flush()
+        except TierKVError as exc:
+            self._book.failures += 1
+            log.warning("disk sync failed: %s", exc)
+            for job, _ in jobs:
+                if job.error is None:
+                    job.error = exc
+        self._book.link_seconds["host->disk"] += time.perf_counter() - t0
+        for job, _ in jobs:
+            self._book.finish(job)
+
+    def _encode_ahead(self) -> None:
+        """Start encoding the first batch of the next queued store while this one is written."""
+        with self._stores.mutex:
+            nxt = self._stores.queue[0] if self._stores.queue else None
+        if nxt is not None and not nxt.encoded:
+            self._encode_first(nxt)
+
+    def _encode_first(self, job: Job) -> None:
+        size = 0
+        for m in job.moves:
+            if size >= self.write_batch_bytes:
+                break
+            job.encoded.append(self._encode.submit(self._encode_one, m))
+            size += m.view.nbytes
+
+    def _write_jobs(self, jobs: list[Job]) -> None:
+        """Encode on the workers while this thread writes: batch i is written as batch i+1 encodes."""
+        assert self.disk is not None
+        if not jobs[0].moves and self._make_room:
+            self._commit([], self._orphans + self._make_room(0))
+            return
+        futures: list[Future] = []
+        all_moves: list[Move] = []
+        for job in jobs:
+            futures += job.encoded + [self._encode.submit(self._encode_one, m) for m in job.moves[len(job.encoded):]]
+            job.encoded = []
+            all_moves += job.moves
+        i = 0
+        while i < len(all_moves):
+            # A transaction of about write_batch_bytes: large enough to amortise its two fsyncs, small
+            # enough that the next batch encodes while this one is written.
+            j, size = i, 0
+            while j < len(all_moves) and (j == i or size < self.write_batch_bytes) and j - i < self.write_batch:
+                size += all_moves[j].view.nbytes
+                j += 1
+            self._write_batch(all_moves[i:j], [f.result() for f in futures[i:j]])
+            i = j
+        # No sync here: the write loop syncs once for these jobs and any written right after them.
+
+    def _write_batch(self, moves: list[Move], blobs: list[bytes | None]) -> None:
+        """One transaction: the encoded ``blobs`` of ``moves`` and the deletes that make room for them."""
+        self._encode_ahead()
+        puts = [(m.lmdb_key, b) for m, b in zip(moves, blobs) if b is not None]
+        incoming = sum(len(b) for _, b in puts)
+        # Values the table evicted while a failed write held them are deleted with the next one.
+        deletes = self._orphans + (self._make_room(incoming) if self._make_room else [])
+        # Admit block by block: one large request would pass a full bucket at once.
+        for _, blob in puts:
+            self._budgets.acquire("host<->disk", len(blob))
+        with self._budgets.transfer("host<->disk", 0):
+            self._commit(puts, deletes)
+        for m, b in zip(moves, blobs):
+            m.ok = b is not None
+            m.stored_bytes = len(b) if b is not None else 0
+        self._book.link_bytes["host->disk"] += sum(m.view.nbytes for m in moves if m.ok)
+
+    def _commit(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+        """Write ``puts`` and ``deletes`` in one transaction; on failure the deletes wait for the next."""
+        assert self.disk is not None
+        try:
+            self.disk.write(puts, deletes)
+        except TierKVError:
+            self._orphans = deletes  # the table forgot them already: LMDB must follow
+            raise
+        self._orphans = []
+
+    def _encode_one(self, m: Move) -> bytes | None:
+        try:
+            return encode_block(m.view, layout=m.layout, fingerprint=m.fingerprint, key=m.key, codec=self.codec,
+                                level=self.level)
+        except Exception as exc:
+            m.error = f"encode failed: {exc}"
+            return None
+
+    # ---- loads: disk -> host --------------------------------------------------------------------
+    def load(self, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
+        """Read and decode ``moves`` into their host slots in parallel; a bad value leaves ``ok`` False."""
+        job = self._book.open(("disk", "host"), moves, on_done)
+        t0 = time.perf_counter()
+        futures = [self._decode.submit(self._load_one, m) for m in moves]
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_f: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                job.seconds = time.perf_counter() - t0
+                self._book.link_seconds["disk->host"] += job.seconds
+                got = sum(m.view.nbytes for m in moves if m.ok)
+                self._book.link_bytes["disk->host"] += got
+                if got:
+                    self._cost.observe("disk", got, job.seconds)
+                self._book.finish(job)
+
+        if not futures:
+            self._book.finish(job)
+        for f in futures:
+            f.add_done_callback(one_done)
+        return job
+
+    def _load_one(self, m: Move) -> None:
+        assert self.disk is not None
+
+        self._budgets.acquire("host<->disk", m.view.nbytes)
+
+        def use(value: memoryview) -> int:
+            decode_block(value, layout=m.layout, fingerprint=m.fingerprint, key=m.key, out=m.view)
+            return len(value)
+
+        try:
+            got = self.disk.read(m.lmdb_key, use)
+            if got is None:
+                m.error = "absent"
+            else:
+                m.stored_bytes = got
+                m.ok = True
+        except CodecError as exc:
+            m.error = f"corrupt: {exc}"
+        except DiskError as exc:
+            m.error = f"io: {exc}"
+        except Exception as exc:
+            m.error = f"load failed: {exc}"
+            log.exception("disk load")
+
+    def close(self, timeout: float) -> None:
+        """Write the queued stores (bounded by ``timeout``), then stop the writer thread."""
+        self._stores.put(None)
+        self._writer.join(timeout)
