@@ -179,7 +179,7 @@ def test_top_under_tmux(daemon):
 
 
 def test_progress_bar_on_a_terminal_only(tmp_path):
-    from tierkv.ops.progress import bar
+    from tierkv.core.progress import bar
 
     master, slave = os.openpty()
     with open(slave, "w", closefd=True) as tty:

@@ -144,7 +144,7 @@ def ensure_converted(path: Path | None = None, *, out: TextIO | None = None) -> 
         out.write(f"tierkv: converting {src.name} ({src.stat().st_size / 1e6:.0f} MB) once into {path}\n")
         out.flush()
         t0 = time.monotonic()
-        from tierkv.ops.progress import bar
+        from tierkv.core.progress import bar
 
         with bar(3, "converting", out=out) as advance:
             with _ticker("[1/3] reading tokenizer and chat template", out, advance):

@@ -65,7 +65,7 @@ def verify(drop: bool, as_json: bool, socket: str | None, timeout: float, max_ba
     """
     def run() -> None:
         from tierkv.client.admin import request
-        from tierkv.ops.progress import bar
+        from tierkv.core.progress import bar
 
         with bar(None, "verifying the disk tier"):  # one request: the daemon scans, we show the time
             r = request(socket, "VERIFY", {"drop": drop}, timeout=timeout or None)

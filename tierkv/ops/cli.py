@@ -249,7 +249,7 @@ def preload(path: str, socket: str | None, priority: int) -> None:
     """Store and pin a frozen prefix exported with tierkv.ops.preload.export_prefix (system prompts,
     tool descriptions) so it stays in the host tier."""
     from tierkv.ops.preload import preload_file
-    from tierkv.ops.progress import bar
+    from tierkv.core.progress import bar
 
     with bar(None, f"preloading {path}") as advance:
         model, n = preload_file(socket, path, priority, advance=advance)

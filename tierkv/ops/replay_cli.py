@@ -298,7 +298,7 @@ def _advise(workload: Workload, config: ReplayConfig, configure: Configure, as_j
 def _sweep(workload: Workload, names: list[str], caps: list[str], config: ReplayConfig,
            configure: Configure) -> list[ReplayResult]:
     """Every policy at every capacity, with a progress bar."""
-    from tierkv.ops.progress import bar
+    from tierkv.core.progress import bar
 
     runs = len(caps) * len(dict.fromkeys([*names, "opt"]))
     with bar(runs, f"replaying {len(workload.requests):,} requests") as advance:
