@@ -248,8 +248,8 @@ def config(socket: str | None, as_json: bool) -> None:
 def preload(path: str, socket: str | None, priority: int) -> None:
     """Store and pin a frozen prefix exported with tierkv.ops.preload.export_prefix (system prompts,
     tool descriptions) so it stays in the host tier."""
-    from tierkv.ops.preload import preload_file
     from tierkv.core.progress import bar
+    from tierkv.ops.preload import preload_file
 
     with bar(None, f"preloading {path}") as advance:
         model, n = preload_file(socket, path, priority, advance=advance)
