@@ -637,7 +637,8 @@ class BlockTable:
                     self.host_stats.misses += 1
                     break
                 if b.host_off is not None:
-                    tiers.append("host" if b.loading is None else "disk")
+                    # a slot still being filled names its source: the GPU for a drain, else the disk
+                    tiers.append("host" if b.loading is None else "gpu" if b.draining else "disk")
                     self.host_stats.hits += 1
                     self.host_stats.bytes_out += b.nbytes  # leased to the client: read from the host tier
                 elif b.on_disk:
