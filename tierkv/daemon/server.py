@@ -64,7 +64,8 @@ class Server:
         self._conns: dict[int, tuple[socket.socket, Session]] = {}
         self._conn_lock = threading.Lock()
         self._session_ids = 0
-        self._inflight = 0
+        self._inflight = 0         # requests being served; guarded by _count_lock with `requests`
+        self._count_lock = threading.Lock()
         self._signals = 0
         self.started = time.time()
         self.requests = 0
@@ -224,12 +225,15 @@ class Server:
                 if status != protocol.STATUS_OK:
                     self._send_error(conn, op, rid, ProtocolError("requests must carry status 0"))
                     return
-                self._inflight += 1
+                with self._count_lock:  # every connection thread counts: a read-modify-write each
+                    self._inflight += 1
+                    self.requests += 1
                 t0 = time.perf_counter()
                 try:
                     self._dispatch(conn, session, op, rid, body)
                 finally:
-                    self._inflight -= 1
+                    with self._count_lock:
+                        self._inflight -= 1
                     if self.metrics is not None:
                         self.metrics.observe(op, time.perf_counter() - t0)
         finally:
@@ -241,7 +245,6 @@ class Server:
             conn.close()
 
     def _dispatch(self, conn: socket.socket, s: Session, op: int, rid: int, body: Any) -> None:
-        self.requests += 1
         try:
             entry = self._handlers.get(op)
             if entry is None:
