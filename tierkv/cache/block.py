@@ -7,12 +7,14 @@ flags below say which copies are in use; a copy in use never moves or vanishes.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import MAX_KEY_BYTES, Namespace
+
+if TYPE_CHECKING:
+    from threading import Event
 
 
 @dataclass(slots=True, eq=False)
@@ -27,14 +29,14 @@ class Block:
     leases: int = 0
     writing: int = 0               # host -> disk/remote stores in flight (they read the slot)
     on_remote: bool = False        # known to be in the remote tier
-    loading: threading.Event | None = None  # set when a load into the host slot finishes
+    loading: Event | None = None   # set when a load into the host slot finishes (the daemon makes it)
     load_failed: bool = False
     hits: int = 0
     pin: int = 0                   # retention priority of a pinned prefix (0 = not pinned)
     mass: float = 1.0              # last attention mass a client reported (1.0 = uniform)
     gpu_off: int | None = None     # slot offset in the GPU tier's device pool
     gpu_leases: int = 0
-    gpu_loading: threading.Event | None = None  # set when a host -> gpu copy finishes
+    gpu_loading: Event | None = None  # set when a host -> gpu copy finishes
     draining: bool = False         # committed on the GPU, its host copy not made yet (the only copy)
     parent: bytes | None = None    # the previous block of the chain it was stored in (tails go first)
 
@@ -55,12 +57,12 @@ class Block:
 
     @property
     def host_ready(self) -> bool:
-        """The host slot holds the block's bytes now (not being filled)."""
+        """The host slot holds the block's bytes (it is not being filled)."""
         return self.host_off is not None and self.loading is None
 
     @property
     def gpu_ready(self) -> bool:
-        """The GPU slot holds the block's bytes now (not being filled)."""
+        """The GPU slot holds the block's bytes (it is not being filled)."""
         return self.gpu_off is not None and self.gpu_loading is None
 
 

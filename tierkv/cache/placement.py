@@ -226,7 +226,7 @@ class HostPlacement:
         return dirty
 
     def demoted(self, dirty: list[Block]) -> None:
-        """The write of ``dirty`` finished: free the slots of those now on disk and not in use."""
+        """The write of ``dirty`` finished: free the slots of those on disk and not in use."""
         for b in dirty:
             if b.host_off is not None and not b.protected and b.on_disk:
                 self.drop(b)

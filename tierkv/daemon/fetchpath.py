@@ -76,7 +76,7 @@ class FetchPath:
 
     def _lease_source(self, b: Block, slot: int, loads: list[Block]) -> str | None:
         """The tier a host lease on ``b`` is served from, starting its load when it has no host slot;
-        None: it cannot be leased now (the prefix ends). Lock held."""
+        None: it cannot be leased at this point (the prefix ends). Lock held."""
         st = self.st
         if b.host_off is not None:
             st.hostp.stats.hits += 1

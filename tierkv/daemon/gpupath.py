@@ -157,7 +157,7 @@ class GpuPath:
 
     def _source(self, b: Block, slot: int, loads: list[Block]) -> str | None:
         """Where a promotion's bytes come from; a disk-only block gets a host slot to load into first.
-        None: the block cannot be promoted now (the prefix ends)."""
+        None: the block cannot be promoted at this point (the prefix ends)."""
         if b.host_off is not None:
             return "host" if b.loading is None else "disk"  # already coming from disk (or draining)
         if not b.on_disk:

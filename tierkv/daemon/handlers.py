@@ -40,9 +40,11 @@ class Handlers:
         return {int(o): (o, getattr(self, o.name.lower())) for o in Op if hasattr(self, o.name.lower())}
 
     def ping(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Liveness: the daemon's pid and protocol version."""
         return {"pong": True, "pid": os.getpid(), "version": protocol.VERSION}
 
     def hello(self, conn: socket.socket, s: Session, body: dict) -> Any:
+        """Bind the connection to a namespace; the reply carries the pools' and the index's fds."""
         try:
             ns = Namespace.from_dict(body.get("namespace") or {})
         except ValueError as exc:
@@ -64,6 +66,7 @@ class Handlers:
         return SENT
 
     def alloc(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Slots for new blocks (None for keys already cached)."""
         keys = body.get("keys")
         if keys is not None:
             keys = validate_keys(keys)
@@ -71,6 +74,7 @@ class Handlers:
         return {"slots": self.store.alloc(s, n, keys, body.get("tier", "host"))}
 
     def commit(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Publish written slots under their keys."""
         keys = validate_keys(body.get("keys"))
         slots = body.get("slots")
         if not isinstance(slots, list):
@@ -82,10 +86,12 @@ class Handlers:
                                          wait)}
 
     def sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Wait for this connection's queued durable writes."""
         self.store.sync(s)
         return {}
 
     def abort(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Give back allocated slots unwritten."""
         slots = body.get("slots")
         if not isinstance(slots, list) or not all(type(x) is int for x in slots):
             raise BadRequest("slots must be a list of ints")
@@ -93,6 +99,7 @@ class Handlers:
         return {}
 
     def lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """How much of a prefix is cached (and, with ``tiers``, where)."""
         keys = validate_keys(body.get("keys"))
         if not body.get("tiers"):
             return {"count": self.store.lookup_count(s, keys)}
@@ -100,13 +107,16 @@ class Handlers:
         return {"count": len(tiers), "tiers": tiers}
 
     def acquire(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Lease the cached prefix, waiting for promotions."""
         lease, slots, tiers = self.store.acquire(s, validate_keys(body.get("keys")), body.get("tier", "host"))
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
     def fetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Start leasing the cached prefix; a ticket for WAIT."""
         return {"ticket": self.store.fetch(s, validate_keys(body.get("keys")), body.get("tier", "host"))}
 
     def wait(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Turn a ticket into a lease on what arrived within the timeout."""
         timeout = body.get("timeout")
         if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
             raise BadRequest("timeout must be a non-negative number or None")
@@ -114,12 +124,15 @@ class Handlers:
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
     def prefetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Warm the cached prefix in the background."""
         return {"started": self.store.prefetch(s, validate_keys(body.get("keys")), body.get("tier", "host"))}
 
     def plan(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Where the cached prefix is and how much is worth fetching."""
         return self.store.plan(s, validate_keys(body.get("keys")))
 
     def recompute(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """A measured recompute speed for the cost model."""
         tokens, seconds = body.get("tokens"), body.get("seconds")
         if not isinstance(tokens, int) or tokens <= 0 or not isinstance(seconds, int | float) or seconds <= 0:
             raise BadRequest("tokens must be a positive int and seconds a positive number")
@@ -127,6 +140,7 @@ class Handlers:
         return {"tokens_per_s": self.store.engine.cost.recompute_tokens_per_s()}
 
     def release(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """End leases."""
         leases = body.get("leases")
         if not isinstance(leases, list) or not all(isinstance(x, int) for x in leases):
             raise BadRequest("leases must be a list of ints")
@@ -134,12 +148,15 @@ class Handlers:
         return {}
 
     def delete(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Drop blocks from every tier."""
         return {"deleted": self.store.delete(s, validate_keys(body.get("keys")))}
 
     def request_finished(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """The engine finished a request: a chain its next turn may extend."""
         return {"cached": self.store.request_finished(s, validate_keys(body.get("keys")))}
 
     def touch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Attention mass per block for the policies."""
         keys = validate_keys(body.get("keys"))
         scores = body.get("scores")
         if not isinstance(scores, list) or len(scores) != len(keys):
@@ -153,18 +170,22 @@ class Handlers:
         return {"touched": self.store.touch(s, keys, scores)}
 
     def stats(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """The stats snapshot, or with ``samples`` the sample ring."""
         if body.get("samples"):  # the sample ring instead of the snapshot
             return self.srv.samples.snapshot() if self.srv.samples is not None else {"interval_s": 0, "samples": []}
         return self.srv.stats()
 
     def health(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """ok or degraded, with the reason."""
         reason = self.store.health()
         return {"status": "degraded" if reason else "ok", "reason": reason}
 
     def verify(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Decode every disk value; optionally drop the bad ones."""
         return self.store.verify(bool(body.get("drop", False)))
 
     def config(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """The effective settings and where each came from (the password masked)."""
         settings = self.srv.cfg.to_dict()
         if settings["remote"].get("password"):
             settings["remote"]["password"] = "***"
@@ -192,12 +213,15 @@ class Handlers:
         return {"applied": sorted(settings)}
 
     def pin(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Keep a prefix in host memory until unpinned."""
         return {"pinned": self.store.pin_prefix(s, validate_keys(body.get("keys")), body.get("priority", 80))}
 
     def unpin(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Make pinned blocks evictable again."""
         return {"unpinned": self.store.unpin(s, validate_keys(body.get("keys")))}
 
     def window(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Fit a live sequence into a host budget; the rest goes to disk."""
         args = [body.get(k) for k in ("budget", "sinks", "recent")]
         if not all(isinstance(a, int) for a in args):
             raise BadRequest("budget, sinks and recent must be ints")
