@@ -10,6 +10,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,8 +20,11 @@ import tierkv
 import tierkv.client.durable
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest, KeyMissing, ProtocolError, TierKVError
+from tierkv.core.protocol import Op
+from tierkv.daemon.config import load_config
+from tierkv.daemon.server import Server
 
-from .helpers import SMALL, keys_for, rand_blocks
+from .helpers import SMALL, RawClient, keys_for, rand_blocks, wait_for
 
 
 def test_round_trip_host(daemon):
@@ -397,3 +401,64 @@ def test_peer_uid_refused(daemon):
 def test_protocol_rejects_before_allocating():
     with pytest.raises(ProtocolError, match="cap"):
         protocol.parse_header(struct.pack("<2sBBHHII", b"TK", 1, 0, 1, 0, 1, 1 << 30), 1 << 20)
+
+
+class _YieldingCounters(Server):
+    """A server whose request counters yield the GIL between read and write (as a slow machine may), so
+    an unguarded read-modify-write from two connection threads loses updates."""
+
+    @property
+    def _inflight(self) -> int:
+        v = self.__dict__.get("_inflight_v", 0)
+        time.sleep(0.0001)
+        return v
+
+    @_inflight.setter
+    def _inflight(self, v: int) -> None:
+        self.__dict__["_inflight_v"] = v
+
+    @property
+    def requests(self) -> int:
+        v = self.__dict__.get("_requests_v", 0)
+        time.sleep(0.0001)
+        return v
+
+    @requests.setter
+    def requests(self, v: int) -> None:
+        self.__dict__["_requests_v"] = v
+
+
+def test_request_counters_stay_exact_under_many_connections(tmp_path):
+    sockdir = tmp_path / "run"
+    sockdir.mkdir(mode=0o700)
+    cfg = load_config(env={}, overrides={"server.socket": str(sockdir / "s"), "server.data_dir": str(tmp_path / "d"),
+                                         "host.capacity": "4MiB", "host.slab_bytes": "1MiB", "host.prefault": False,
+                                         "disk.enabled": False, "server.drain_timeout_s": 1,
+                                         "server.sample_interval_s": 0})
+    srv = _YieldingCounters(cfg)
+    srv.startup()
+    loop = threading.Thread(target=srv._accept_loop, daemon=True)
+    loop.start()
+    conns, per_conn = 16, 40
+
+    def hammer() -> None:
+        c = RawClient(str(sockdir / "s"))
+        try:
+            for _ in range(per_conn):
+                c.ok(Op.PING)
+        finally:
+            c.close()
+
+    try:
+        workers = [threading.Thread(target=hammer) for _ in range(conns)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        wait_for(lambda: srv._inflight == 0, 3.0)  # the last replies go out just before the count drops
+        assert srv.requests == conns * per_conn
+        assert srv._inflight == 0
+    finally:
+        srv.request_stop()
+        loop.join(5)
+        srv.shutdown()

@@ -59,10 +59,10 @@ class StatsCollector(Collector):
         self.server = server
 
     def describe(self) -> list[Metric]:
-        return []  # no snapshot at registration: the table may not exist yet
+        return []  # no snapshot at registration: the store may not exist yet
 
     def collect(self) -> Iterator[Metric]:
-        if self.server.table is None:
+        if self.server.store is None:
             return
         st = self.server.stats()
         yield from _tier_metrics(st["tiers"])

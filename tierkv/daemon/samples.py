@@ -1,6 +1,6 @@
 """A ring of periodic samples of the daemon's counters, behind ``tierkv stats --plot``.
 
-Each sample reads plain counters of the block table (no walk over the blocks, no table lock), so taking
+Each sample reads plain counters of the block store (no walk over the blocks, no table lock), so taking
 one costs microseconds whatever the daemon holds.
 """
 
@@ -12,33 +12,25 @@ import threading
 import time
 from typing import Any
 
+from tierkv.daemon.snapshot import tier_figures
+
 log = logging.getLogger("tierkv.daemon.samples")
 _COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions")
 
 
-def take_sample(table: Any) -> dict[str, Any]:
-    """One sample: wall time, per tier used/capacity bytes and counters, bytes moved per link, and the
-    blocks fetches got from any tier (``served``)."""
+def take_sample(store: Any) -> dict[str, Any]:
+    """One sample of a :class:`~tierkv.daemon.blockstore.BlockStore`: wall time, per tier used/capacity
+    bytes and counters, bytes moved per link, and the blocks fetches got from any tier (``served``)."""
     tiers: dict[str, dict[str, int]] = {}
-
-    def add(name: str, counters: Any, used: int, capacity: int) -> None:
+    for name, counters, used, capacity in tier_figures(store):
         d = {"used": int(used), "capacity": int(capacity)}
         d.update({c: int(getattr(counters, c)) for c in _COUNTERS})
         tiers[name] = d
-
-    if table.gpu is not None:
-        add("gpu", table.gpu_stats, table.gpu.used_bytes, table.gpu.capacity)
-    add("host", table.host_stats, table.host.used_bytes, table.host.capacity)
-    if table.disk is not None:
-        add("disk", table.disk_stats, table.disk_used, table.disk.capacity)
-    links = {k: int(v) for k, v in dict(table.engine.link_bytes).items()}
-    if table.remote is not None:
-        r = table.remote_stats
-        remote_cap = (table._remote_info[1] or {}).get("max_bytes", 0)
-        add("remote", r, (table._remote_info[1] or {}).get("used_bytes", 0), remote_cap)
-        links["host->remote"] = int(r.bytes_in)
-        links["remote->host"] = int(r.bytes_out)
-    fetched = [list(c) for c in list(table.ns_hits.values())]  # a copy: HELLOs may add namespaces meanwhile
+    links = {k: int(v) for k, v in dict(store.engine.link_bytes).items()}
+    if store.remote is not None:
+        links["host->remote"] = int(store.remote_stats.bytes_in)
+        links["remote->host"] = int(store.remote_stats.bytes_out)
+    fetched = [list(c) for c in list(store.table.ns_hits.values())]  # a copy: HELLOs may add namespaces meanwhile
     served = {"hits": sum(c[0] for c in fetched), "misses": sum(c[1] for c in fetched)}
     return {"t": round(time.time(), 3), "tiers": tiers, "links": links, "served": served}
 
@@ -46,8 +38,8 @@ def take_sample(table: Any) -> dict[str, Any]:
 class SampleRing:
     """The newest ``count`` samples, one every ``interval`` seconds, taken on a daemon thread."""
 
-    def __init__(self, table: Any, interval: float, count: int) -> None:
-        self.table = table
+    def __init__(self, store: Any, interval: float, count: int) -> None:
+        self.store = store
         self.interval = interval
         self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=count)
         self._stop = threading.Event()
@@ -57,14 +49,14 @@ class SampleRing:
         """Start sampling (no-op when the interval is 0)."""
         if self.interval <= 0 or self._thread is not None:
             return
-        self._ring.append(take_sample(self.table))
+        self._ring.append(take_sample(self.store))
         self._thread = threading.Thread(target=self._run, name="tierkv-samples", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._ring.append(take_sample(self.table))
+                self._ring.append(take_sample(self.store))
             except Exception as exc:  # e.g. a tier closing under us at shutdown: skip this sample
                 log.debug("sample skipped: %s", exc)
 

@@ -1,0 +1,278 @@
+"""The block table in-process: host, disk and GPU stand-in tiers in a tmp dir, no daemon process.
+
+Each test drives the table's state machine directly (store, dedup, lookup, leases, eviction, drains)
+and checks the records and the bytes in the slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierkv.cache.block import Session
+from tierkv.core.errors import BadRequest, TierFull
+from tierkv.core.keys import Namespace
+from tierkv.daemon.blockstore import BlockStore
+from tierkv.daemon.config import Config
+
+from .helpers import SMALL
+
+NS = Namespace("table-test", SMALL)
+BLOCK = SMALL.block_bytes
+
+
+def _config(tmp_path, gpu: bool = False, **host) -> Config:
+    cfg = Config()
+    cfg.server.data_dir = str(tmp_path)
+    cfg.server.lookup_index_slots = 0
+    cfg.host.capacity = host.get("capacity", 16 << 20)
+    cfg.host.slab_bytes = 1 << 20
+    cfg.host.prefault = False
+    cfg.host.write_behind = False
+    cfg.host.high_watermark = 1.0  # the evictor stays idle: each test decides when blocks move
+    cfg.disk.admission = "all"
+    cfg.disk.capacity = 64 << 20
+    cfg.disk.sync = False
+    if gpu:
+        cfg.gpu.capacity = 2 << 20
+        cfg.gpu.slab_bytes = 1 << 20
+        cfg.gpu.device = "cpu"
+    return cfg
+
+
+@pytest.fixture
+def make_table(tmp_path):
+    made: list[BlockStore] = []
+
+    def make(gpu: bool = False, d=None, **host) -> BlockStore:
+        d = d or tmp_path / f"t{len(made)}"
+        d.mkdir(exist_ok=True)
+        t = BlockStore(_config(d, gpu, **host), str(d))
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        if not t.closing:  # a test may have closed it already (a restart)
+            t.close(5.0)
+
+
+def _session(t: BlockStore, sid: int = 1) -> Session:
+    s = Session(sid)
+    t.register(s, NS)
+    return s
+
+
+def _keys(n: int, start: int = 0) -> list[bytes]:
+    return [i.to_bytes(8, "little") for i in range(start, start + n)]
+
+
+def _put(t: BlockStore, s: Session, keys: list[bytes], seed: int = 0, durable: bool = False) -> list[bytes]:
+    """Store one block per key through alloc/commit; returns each block's bytes."""
+    offs = t.alloc(s, len(keys), keys)
+    data = [_fill(t.host.view(off, BLOCK), seed + i) for i, off in enumerate(offs)]
+    t.commit(s, keys, offs, durable=durable)
+    return data
+
+
+def _get(t: BlockStore, s: Session, keys: list[bytes], tier: str = "host") -> tuple[list[bytes], list[str]]:
+    """Lease ``keys``, read their bytes and release; returns (bytes, source tiers)."""
+    lease, offs, tiers = t.acquire(s, keys, tier)
+    pool = t.gpu if tier == "gpu" else t.host
+    got = [bytes(pool.view(off, BLOCK).numpy() if tier == "gpu" else pool.view(off, BLOCK)) for off in offs]
+    t.release(s, [lease])
+    return got, tiers
+
+
+def _fill(view, seed: int) -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, BLOCK, dtype=np.uint8)
+    if hasattr(view, "numpy"):
+        view = view.numpy()
+    view[:] = data
+    return data.tobytes()
+
+
+class _HeldCopies:
+    """Holds the engine's GPU -> host copies until :meth:`run`, so a drain stays in flight."""
+
+    def __init__(self, table: BlockStore) -> None:
+        self.table, self.held = table, []
+        self.real = table.engine.to_host
+        table.engine.to_host = lambda copies, done: self.held.append((copies, done))
+
+    def run(self) -> None:
+        self.table.engine.to_host = self.real
+        for copies, done in self.held:
+            self.real(copies, done).done.wait(10)
+        self.held.clear()
+
+
+def test_fetch_names_the_gpu_for_a_block_still_draining_from_it(make_table):
+    t = make_table(gpu=True)
+    s = _session(t)
+    keys = _keys(2)
+    held = _HeldCopies(t)
+    offs = t.alloc(s, 2, keys, "gpu")
+    data = [_fill(t.gpu.view(off, BLOCK), i) for i, off in enumerate(offs)]
+    assert t.commit(s, keys, offs, tier="gpu") == 2
+    assert all(t.table.get(s.fp + k).draining for k in keys)
+    ticket = t.fetch(s, keys)
+    held.run()
+    lease, slots, tiers = t.wait(s, ticket, 10.0)
+    assert tiers == ["gpu", "gpu"], "a draining block is served from the GPU, not the disk"
+    assert [t.host.view(off, BLOCK).tobytes() for off in slots] == data
+    t.release(s, [lease])
+
+
+def test_store_lookup_and_dedup(make_table):
+    t = make_table()
+    s = _session(t)
+    keys = _keys(3)
+    data = _put(t, s, keys)
+    assert t.lookup(s, keys) == ["host"] * 3
+    assert t.lookup(s, [keys[0], keys[1], b"missing", keys[2]]) == ["host", "host"]
+    assert t.lookup_count(s, keys + [b"missing"]) == 3
+    used = t.host.used_bytes
+    assert t.alloc(s, 3, keys) == [None, None, None], "cached keys get no slot"
+    offs = t.alloc(s, 3)
+    assert t.commit(s, keys, offs) == 0, "the same keys again are deduplicated"
+    assert t.host.used_bytes == used, "deduplicated slots go back to the pool"
+    assert _get(t, s, keys) == (data, ["host"] * 3)
+
+
+def test_namespaces_are_apart_and_forgotten_when_empty(make_table):
+    t = make_table()
+    a, b = _session(t, 1), Session(2)
+    t.register(b, Namespace("other-model", SMALL))
+    _put(t, a, _keys(2))
+    assert t.lookup(b, _keys(2)) == [], "another namespace never sees these blocks"
+    assert len(t.table.namespaces) == 2
+    t.close_session(b)
+    assert list(t.table.namespaces) == [a.fp], "a namespace with no block and no connection is forgotten"
+
+
+def test_leases_pin_blocks_against_eviction_and_evicted_blocks_come_back_from_disk(make_table):
+    t = make_table(capacity=1 << 20)
+    s = _session(t)
+    per = t.host.capacity // BLOCK
+    first = _keys(per)
+    data = _put(t, s, first, durable=True)  # on disk too: clean, so a new store may evict them
+    lease, offs, _ = t.acquire(s, first[:8])
+    _put(t, s, _keys(per // 2, start=per), seed=1000)
+    records = [t.table.get(s.fp + k) for k in first]
+    assert all(b.host_off is not None for b in records[:8]), "leased blocks stay in host memory"
+    assert [bytes(t.host.view(off, BLOCK)) for off in offs] == data[:8]
+    evicted = [i for i, b in enumerate(records) if b.host_off is None]
+    assert len(evicted) >= per // 2 and all(records[i].on_disk for i in evicted)
+    t.release(s, [lease])
+    i = evicted[0]
+    assert t.lookup(s, [first[i]]) == ["disk"]
+    assert _get(t, s, [first[i]]) == ([data[i]], ["disk"])
+    assert t.hostp.stats.evictions >= per // 2 and t.diskp.stats.hits == 1
+
+
+def test_a_full_host_tier_of_leased_blocks_is_tier_full(make_table):
+    t = make_table(capacity=1 << 20)
+    s = _session(t)
+    per = t.host.capacity // BLOCK
+    keys = _keys(per)
+    _put(t, s, keys, durable=True)
+    lease, _offs, _tiers = t.acquire(s, keys)
+    with pytest.raises(TierFull):
+        t.alloc(s, 1)
+    t.release(s, [lease])
+    assert t.alloc(s, 1) != [None], "released blocks are evictable again"
+
+
+def test_records_survive_a_restart_from_disk(make_table, tmp_path):
+    d = tmp_path / "same"
+    t = make_table(d=d)
+    s = _session(t)
+    keys = _keys(4)
+    data = _put(t, s, keys, durable=True)
+    t.close(5.0)
+    t2 = make_table(d=d)
+    s2 = _session(t2)
+    assert t2.lookup(s2, keys) == ["disk"] * 4
+    assert _get(t2, s2, keys) == (data, ["disk"] * 4)
+
+
+def test_gpu_commit_drains_to_host_and_stays_busy_until_then(make_table):
+    t = make_table(gpu=True)
+    s = _session(t)
+    keys = _keys(3)
+    held = _HeldCopies(t)
+    offs = t.alloc(s, 3, keys, "gpu")
+    data = [_fill(t.gpu.view(off, BLOCK), i) for i, off in enumerate(offs)]
+    t.commit(s, keys, offs, tier="gpu")
+    b = t.table.get(s.fp + keys[0])
+    assert b.draining and b.gpu_protected and b.host_off is not None and b.loading is not None
+    assert t.lookup(s, keys) == ["gpu"] * 3
+    assert t.delete(s, keys) == 0, "a block whose only copy is on the GPU is never deleted"
+    held.run()
+    assert not b.draining and b.host_ready
+    assert [bytes(t.host.view(t.table.get(s.fp + k).host_off, BLOCK)) for k in keys] == data
+    assert t.gpup.stats.demotions == 3
+    assert t.delete(s, keys) == 3 and t.lookup(s, keys) == []
+
+
+def test_gpu_fetch_promotes_host_blocks(make_table):
+    t = make_table(gpu=True)
+    s = _session(t)
+    keys = _keys(2)
+    data = _put(t, s, keys)
+    assert _get(t, s, keys, "gpu") == (data, ["host", "host"])
+    assert t.lookup(s, keys) == ["gpu", "gpu"]
+    assert t.gpup.stats.promotions == 2
+
+
+def test_misuse_is_a_bad_request_and_changes_nothing(make_table):
+    t = make_table()
+    s = Session(1)
+    with pytest.raises(BadRequest, match="HELLO"):
+        t.alloc(s, 1)
+    t.register(s, NS)
+    with pytest.raises(BadRequest, match="another namespace"):
+        t.register(s, Namespace("other-model", SMALL))
+    with pytest.raises(BadRequest, match="not allocated"):
+        t.commit(s, _keys(1), [0])
+    with pytest.raises(BadRequest, match="disagree"):
+        t.alloc(s, 2, _keys(1))
+    with pytest.raises(BadRequest, match="GPU tier is off"):
+        t.alloc(s, 1, tier="gpu")
+    with pytest.raises(BadRequest, match="tier must be"):
+        t.fetch(s, _keys(1), tier="disk")
+    with pytest.raises(BadRequest, match="ticket"):
+        t.wait(s, 99, 0)
+    _put(t, s, _keys(1))
+    lease, _offs, _tiers = t.acquire(s, _keys(1))
+    with pytest.raises(BadRequest, match="twice"):
+        t.release(s, [lease, lease])
+    t.release(s, [lease])
+    with pytest.raises(BadRequest, match="not held"):
+        t.release(s, [lease])
+    assert t.table.get(s.fp + _keys(1)[0]).leases == 0
+
+
+def test_closing_a_connection_frees_its_slots_and_leases(make_table):
+    t = make_table()
+    s = _session(t)
+    keys = _keys(2)
+    _put(t, s, keys)
+    used = t.host.used_bytes
+    t.alloc(s, 4)
+    t.acquire(s, keys)
+    t.fetch(s, keys)
+    t.close_session(s)
+    assert t.host.used_bytes == used
+    assert all(t.table.get(s.fp + k).leases == 0 for k in keys)
+
+
+def test_window_demotes_the_middle_with_the_least_attention(make_table):
+    t = make_table()
+    s = _session(t)
+    keys = _keys(6)
+    _put(t, s, keys)
+    t.touch(s, keys, [1.0, 0.1, 5.0, 0.2, 1.0, 1.0])
+    assert t.window(s, keys, budget=4, sinks=1, recent=2) == 2
+    assert t.lookup(s, keys) == ["host", "disk", "host", "disk", "host", "host"]

@@ -1,0 +1,301 @@
+"""Placement: which slot a block gets in each tier, and which blocks leave a tier to make room.
+
+Decisions only, plain code with no threads and no I/O; the daemon's store holds its lock around every
+call and starts the transfers these decisions ask for. One class per tier:
+
+- :class:`DiskPlacement`: bytes on disk, the disk policy, the victims that make room for a write.
+- :class:`HostPlacement`: host slots, the host policy, admission to disk, demotion between the
+  watermarks and the write-behind batch.
+- :class:`GpuPlacement`: device slots under plain recency (clean once drained).
+
+``cfg`` is the daemon's settings object (``host``, ``disk``, ``remote`` sections); ``tierkv tune``
+replaces it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tierkv.cache.block import Block
+from tierkv.cache.counters import TierCounters
+from tierkv.cache.policy import Policy
+from tierkv.cache.policy.placement import Placement
+from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.table import BlockTable
+from tierkv.core.errors import TierFull
+from tierkv.tiers.disk import stored_size
+from tierkv.tiers.host import SlabAllocator
+
+_CHAIN = object()  # HostPlacement.inserted: the block's own chain parent
+
+
+class DiskPlacement:
+    """The disk tier's bookkeeping: bytes used, its policy, and victims when a write needs room."""
+
+    def __init__(self, table: BlockTable, policy: Policy, cfg: Any, capacity: Callable[[], int]) -> None:
+        self.table, self.policy, self.cfg = table, policy, cfg
+        self.capacity = capacity   # the disk tier's capacity (``tune disk.capacity`` changes it)
+        self.used = 0
+        self.stats = TierCounters()
+
+    def added(self, b: Block) -> None:
+        """``b``'s value reached disk (its ``disk_bytes`` set)."""
+        self.used += stored_size(b.disk_bytes)
+        self.stats.bytes_logical += b.nbytes
+        self.stats.bytes_stored += b.disk_bytes
+        self.policy.on_insert(b.fk, stored_size(b.disk_bytes), b.parent)
+
+    def removed(self, b: Block) -> None:
+        """``b``'s value is gone from disk (or about to be deleted)."""
+        self.used -= stored_size(b.disk_bytes)
+        self.stats.bytes_logical -= b.nbytes
+        self.stats.bytes_stored -= b.disk_bytes
+        self.policy.on_remove(b.fk)
+        b.on_disk = False
+        b.disk_bytes = 0
+
+    def forget(self, b: Block) -> None:
+        """Remove a block that is in no tier any more."""
+        if b.on_disk:
+            self.removed(b)
+        self.table.remove(b)
+
+    def protected(self, fk: bytes) -> bool:
+        """A value being read into the host tier stays."""
+        b = self.table.get(fk)
+        return b is None or b.loading is not None
+
+    def room(self, incoming: int) -> list[bytes]:
+        """Keys to delete so ``incoming`` bytes fit under the high watermark (down to the low one).
+
+        Raises:
+            TierFull: nothing can be dropped.
+        """
+        cap = self.capacity()
+        limit = self.cfg.disk.high_watermark * cap
+        if self.used + incoming <= limit:
+            return []
+        target = self.used + incoming - self.cfg.disk.low_watermark * cap
+        victims = self.policy.victims(int(target), self.protected) or \
+            self.policy.victims(int(self.used + incoming - limit), self.protected)
+        if victims is None:
+            raise TierFull("disk tier is full and nothing can be dropped")
+        for fk in victims:
+            b = self.table.blocks[fk]
+            self.removed(b)
+            self.stats.evictions += 1
+            if b.host_off is None and b.gpu_off is None:
+                self.forget(b)
+        return list(victims)
+
+
+class HostPlacement:
+    """Host slots: allocation under the effective limit, eviction of clean blocks, demotion to disk."""
+
+    def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy, disk: DiskPlacement,
+                 has_disk: bool, reuse: ReuseModel, admission: Placement, cfg: Any,
+                 writer_idle: Callable[[], bool]) -> None:
+        self.table, self.pool, self.policy, self.disk, self.has_disk = table, pool, policy, disk, has_disk
+        self.reuse, self.admission, self.cfg = reuse, admission, cfg
+        self.writer_idle = writer_idle  # whether the disk writer has no backlog (spare bandwidth)
+        self.limit = pool.capacity      # effective capacity: `tune host.capacity` can lower it
+        self.pinned_bytes = 0
+        self.written_behind = 0
+        self.stats = TierCounters()
+
+    # ---- slots ------------------------------------------------------------------------------------
+    def alloc_free(self, slot: int) -> int | None:
+        """A free slot under the limit, or None (nothing is evicted)."""
+        return self.pool.alloc(slot) if self.pool.used_bytes + slot <= self.limit else None
+
+    def above_high(self) -> bool:
+        """Usage is above the high watermark: the evictor should run."""
+        return self.pool.used_bytes > self.cfg.host.high_watermark * self.limit
+
+    def evict_for(self, nbytes: int) -> int:
+        """Drop clean blocks for ``nbytes`` of new slots in one policy walk; returns blocks dropped."""
+        victims = self.policy.victims(nbytes, self.protected_clean) or ()
+        for fk in victims:
+            self.drop(self.table.blocks[fk])
+        return len(victims)
+
+    def make_room(self, nbytes: int) -> int:
+        """Evict so ``nbytes`` of new slots fit under the limit (a large put would otherwise walk the
+        policy once per slot); returns blocks dropped."""
+        short = self.pool.used_bytes + nbytes - self.limit
+        return self.evict_for(short) if short > 0 else 0
+
+    def inserted(self, b: Block, parent: Any = _CHAIN) -> None:
+        """``b``'s host slot holds its bytes: the policy may evict it (after ``parent``, by default the
+        block's chain parent)."""
+        self.policy.on_insert(b.fk, self.pool.slot_size_at(b.host_off),  # type: ignore[arg-type]
+                              b.parent if parent is _CHAIN else parent)
+
+    def drop(self, b: Block) -> None:
+        """Free a block's host slot (it stays in the colder tiers that hold it)."""
+        self.reuse.left(b.fk, time.monotonic(), len(self.policy))
+        self.policy.on_remove(b.fk)
+        self.pool.free(b.host_off)  # type: ignore[arg-type]
+        b.host_off = None
+        self.stats.evictions += 1
+        if b.on_disk:
+            self.stats.demotions += 1
+        elif b.gpu_off is None:
+            self.disk.forget(b)
+
+    def free_failed(self, b: Block) -> None:
+        """Give back the slot of a load that failed; the block is never served from it."""
+        b.load_failed = True
+        self.pool.free(b.host_off)  # type: ignore[arg-type]
+        b.host_off = None
+
+    def touch(self, b: Block) -> None:
+        """A use of ``b`` for the policies of the tiers holding it."""
+        b.hits += 1
+        if b.host_ready and b.fk in self.policy:
+            self.policy.on_access(b.fk)
+        if b.on_disk:
+            self.disk.policy.on_access(b.fk)
+
+    # ---- protection -------------------------------------------------------------------------------
+    def protected(self, fk: bytes) -> bool:
+        """The slot is in use (leased, read by a transfer, being filled or pinned)."""
+        return self.table.blocks[fk].protected
+
+    def protected_clean(self, fk: bytes) -> bool:
+        """A store making room skips this block: in use, or dirty and worth writing first (write-behind
+        cleans such blocks ahead, so a burst that fits the clean part of the tier does not wait)."""
+        b = self.table.blocks[fk]
+        return b.protected or (not b.on_disk and self.has_disk
+                               and self.worth_writing(b, self.cfg.disk.admission))
+
+    def evictable_exists(self) -> bool:
+        """Whether waiting can help: some block is held by neither a client nor a pin (blocks being
+        written back or loaded become evictable when their transfer ends)."""
+        def held(fk: bytes) -> bool:
+            b = self.table.blocks[fk]
+            return b.leases > 0 or b.pin > 0
+        return self.policy.victims(1, held) is not None
+
+    # ---- admission --------------------------------------------------------------------------------
+    def worth_writing(self, b: Block, mode: str) -> bool:
+        """The admission rule of a colder tier: every block, the ones the placement rule predicts are
+        read again (every one while the writer keeps up), blocks used twice / shared / pinned, or
+        pinned only."""
+        if mode == "predicted":
+            return self.admission.wants(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
+                                        spare=self.writer_idle())
+        return mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
+
+    def admit(self, b: Block) -> bool:
+        """Whether a host victim is worth a disk write (durable puts and the flush skip this); counted."""
+        mode = self.cfg.disk.admission
+        if mode != "predicted":
+            ok = self.worth_writing(b, mode)
+            self.admission.admitted += ok
+            self.admission.rejected += not ok
+            return ok
+        return self.admission.admit(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
+                                    spare=self.writer_idle())
+
+    # ---- demotion ---------------------------------------------------------------------------------
+    def demotion(self, force: bool) -> list[Block]:
+        """Between the watermarks (or when forced): drop clean victims at once; returns the dirty
+        victims to write to disk first."""
+        cap = self.limit
+        if self.pool.used_bytes <= self.cfg.host.high_watermark * cap and not force:
+            return []
+        want = int(self.pool.used_bytes - self.cfg.host.low_watermark * cap)
+        want = max(want, self.pool.slab_bytes if force else 0)
+        victims = self.policy.victims(want, self.protected)
+        if victims is None:
+            victims = []
+            n = want
+            while n > 0 and not victims:  # take what we can: walk down until something is possible
+                n //= 2
+                victims = self.policy.victims(n, self.protected) or []
+        dirty = []
+        for fk in victims:
+            b = self.table.blocks[fk]
+            if b.on_disk or not self.has_disk or not self.admit(b):
+                self.drop(b)
+            else:
+                dirty.append(b)
+        return dirty
+
+    def demoted(self, dirty: list[Block]) -> None:
+        """The write of ``dirty`` finished: free the slots of those on disk and not in use."""
+        for b in dirty:
+            if b.host_off is not None and not b.protected and b.on_disk:
+                self.drop(b)
+
+    def write_behind_batch(self, batch: int) -> list[Block]:
+        """The coldest admitted dirty blocks, about ``batch`` bytes, to clean ahead of eviction."""
+        if self.pool.used_bytes < self.cfg.host.write_behind_above * self.limit:
+            return []
+        admission = self.cfg.disk.admission
+
+        def skip(fk: bytes) -> bool:
+            b = self.table.blocks[fk]
+            return b.protected or not self.worth_writing(b, admission)
+
+        # Walk the policy's eviction order (clean blocks included: prefix-aware policies free a
+        # parent only after its children) until it holds a batch of dirty blocks.
+        blocks, used = self.table.blocks, self.pool.used_bytes
+        want, order = min(batch, used), None
+        while order is None and want >= 4096:
+            order = self.policy.victims(want, skip)
+            if order is None:
+                want //= 2
+        victims: list[bytes] = []
+        while order:
+            victims = [fk for fk in order if not blocks[fk].on_disk]
+            if want >= used or sum(blocks[fk].nbytes for fk in victims) >= batch:
+                break
+            want = min(want * 2, used)
+            order = self.policy.victims(want, skip)
+        self.written_behind += len(victims)
+        return [blocks[fk] for fk in victims]
+
+
+class GpuPlacement:
+    """Device slots: clean copies are dropped under plain recency; drains keep the only copy."""
+
+    def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy, disk: DiskPlacement) -> None:
+        self.table, self.pool, self.policy, self.disk = table, pool, policy, disk
+        self.stats = TierCounters()
+
+    def protected(self, fk: bytes) -> bool:
+        """The device slot is in use (leased, being filled, or the only copy)."""
+        return self.table.blocks[fk].gpu_protected
+
+    def alloc(self, slot: int) -> int | None:
+        """A device slot, dropping clean device copies; None when every block is in use."""
+        while True:
+            off = self.pool.alloc(slot)
+            if off is not None:
+                return off
+            victims = self.policy.victims(slot, self.protected)
+            if not victims:
+                return None
+            for fk in victims:
+                self.drop(self.table.blocks[fk])
+
+    def inserted(self, b: Block) -> None:
+        """``b``'s device slot holds its bytes."""
+        self.policy.on_insert(b.fk, self.pool.slot_size_at(b.gpu_off), None)  # type: ignore[arg-type]
+
+    def drop(self, b: Block) -> None:
+        """Free a block's device slot; it stays in the colder tiers that hold it."""
+        self.policy.on_remove(b.fk)
+        self.pool.free(b.gpu_off)  # type: ignore[arg-type]
+        b.gpu_off = None
+        self.stats.evictions += 1
+        if b.host_off is None and not b.on_disk:
+            self.disk.forget(b)
+
+    def draining(self) -> bool:
+        """Some block's only copy is on the device (waiting helps: its drain frees the slot's pin)."""
+        return any(b.draining for b in self.table.records() if b.gpu_off is not None)

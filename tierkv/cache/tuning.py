@@ -1,0 +1,50 @@
+"""Tuning rules: which settings ``tierkv tune`` may change on a running daemon, and what each change
+rebuilds. Data and plain checks; :mod:`tierkv.daemon.tuning` applies them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Settings fixed at start-up: they shape the pool, the socket, the LMDB environment or the observers.
+RESTART_ONLY = frozenset({
+    "server.socket", "server.data_dir", "server.allow_uids", "server.max_frame_bytes", "server.max_clients",
+    "server.lookup_index_slots", "server.metrics_addr", "server.sample_interval_s", "server.sample_count",
+    "host.slab_bytes", "host.prefault", "disk.enabled", "disk.workers", "disk.sync",
+    "gpu.capacity", "gpu.device", "gpu.slab_bytes",
+})
+
+# A change to one of these keys (or any ``policy.*`` weight) rebuilds or updates that tier's policy.
+POLICY_KEYS = {"host": "host.policy", "disk": "disk.policy"}
+
+
+def check_restart_only(key: str) -> None:
+    """Raise ``ValueError`` for a setting that only a restart changes."""
+    if key in RESTART_ONLY:
+        raise ValueError(f"{key} is fixed at start-up; change it in the config and restart")
+
+
+def policy_changed(tier: str, changed: set[str]) -> bool:
+    """Whether ``changed`` settings touch ``tier``'s policy (its name or any policy weight)."""
+    return POLICY_KEYS[tier] in changed or any(c.startswith("policy.") for c in changed)
+
+
+def check_capacities(new: Any, changed: set[str], host_pool: int, disk_capacity: int | None,
+                     disk_map: int) -> None:
+    """Capacities only shrink at run time (the pool and the LMDB map are sized at start-up).
+
+    Args:
+        new: the settings after the change.
+        changed: the keys being changed.
+        host_pool: bytes of the host pool.
+        disk_capacity: the disk tier's capacity, None when the disk tier is off.
+        disk_map: bytes of the LMDB map.
+
+    Raises:
+        ValueError: a capacity grows past what the daemon started with.
+    """
+    if "host.capacity" in changed and new.host.capacity > host_pool:
+        raise ValueError(f"host.capacity can only shrink at run time (pool is {host_pool} bytes; "
+                         "restart to grow it)")
+    if "disk.capacity" in changed and (disk_capacity is None or new.disk.capacity > disk_capacity
+                                       and new.disk.capacity * 1.25 > disk_map):
+        raise ValueError("disk.capacity cannot grow past the size the daemon started with")

@@ -1,0 +1,382 @@
+"""The block store: the daemon's tiers, the block table and placement decisions over them, the transfer
+engine that moves bytes between them, and the evictor thread.
+
+Every request handler calls one public method here. All state changes happen under one lock (with a
+condition for waiters); waits on transfers happen outside it. The paths live in their own modules:
+:mod:`~tierkv.daemon.storepath` (alloc, commit), :mod:`~tierkv.daemon.fetchpath` (lookup, fetch, wait),
+:mod:`~tierkv.daemon.gpupath` (drains, promotions), :mod:`~tierkv.daemon.transfers` (disk and remote
+jobs), :mod:`~tierkv.daemon.evictor`, :mod:`~tierkv.daemon.scrub` and :mod:`~tierkv.daemon.tuning`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from tierkv.cache.block import Session
+from tierkv.cache.counters import TierCounters
+from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
+from tierkv.cache.policy import History
+from tierkv.cache.policy import make_policy as _lru
+from tierkv.cache.policy.placement import Placement
+from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.table import BlockTable
+from tierkv.core.errors import BadRequest, TierFull
+from tierkv.core.keys import Namespace
+from tierkv.daemon import retention, scrub, snapshot, tuning
+from tierkv.daemon.config import Config
+from tierkv.daemon.evictor import Evictor
+from tierkv.daemon.fetchpath import FetchPath
+from tierkv.daemon.gpupath import GpuPath, check_gpu
+from tierkv.daemon.startup import make_policy, open_tiers
+from tierkv.daemon.storepath import StorePath
+from tierkv.daemon.transfers import Transfers
+from tierkv.movers.transfer import TransferEngine
+from tierkv.tiers.host import slot_size_for
+
+HISTORY_ENTRIES = 1 << 16
+
+
+class BlockStore:
+    """All blocks of one daemon, in every tier it runs."""
+
+    def __init__(self, cfg: Config, data_dir: str) -> None:
+        """Open the tiers, rebuild the records of what is on disk and start the evictor."""
+        self.cfg = cfg
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.table = BlockTable(cfg.server.lookup_index_slots)
+        self.tiers = open_tiers(cfg, data_dir)
+        self.host, self.disk, self.gpu, self.remote = self.tiers.host, self.tiers.disk, None, self.tiers.remote
+        # One use history for both tiers (heat survives demotion), bounded so that a stream of
+        # one-shot keys cannot grow the daemon's memory (~150 B a record).
+        self.history = History(max_entries=HISTORY_ENTRIES)
+        # Which host blocks come back once they leave host memory (the host policy's reuse term).
+        self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES)
+        # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
+        # history: the policies count uses with decay, admission counts each request once.
+        self.admission = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
+                                   ghost_entries=HISTORY_ENTRIES // 2)
+        self.diskp = DiskPlacement(self.table, make_policy(cfg.disk.policy, cfg, self.history), cfg,
+                                   lambda: self.disk.capacity if self.disk is not None else 0)
+        self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
+                                     make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
+                                     budgets={"host<->disk": cfg.budget.host_disk or None,
+                                              "gpu<->host": cfg.budget.gpu_host or None,
+                                              "host<->remote": cfg.budget.host_remote or None})
+        self.hostp = HostPlacement(self.table, self.host, make_policy(cfg.host.policy, cfg, self.history,
+                                                                      self.host_reuse),
+                                   self.diskp, self.disk is not None, self.host_reuse, self.admission, cfg,
+                                   lambda: self.engine.store_backlog() == 0)
+        self.remote_stats = TierCounters()
+        self.remote_info: tuple[float, dict | None] = (0.0, None)  # (when, remote server memory)
+        self.degraded = ""
+        self.closing = False
+        self._host_t: Any = None  # torch view of the whole host pool (GPU copies)
+        self.gpup: GpuPlacement | None = None
+        self.gpu_path: GpuPath | None = None
+        if self.tiers.gpu is not None:
+            self._attach_gpu(self.tiers.gpu)
+        self.transfers = Transfers(self)
+        self.store_path = StorePath(self)
+        self.fetch_path = FetchPath(self)
+        self.evictor = Evictor(self)
+        if self.disk is not None:
+            scrub.scan_disk(self)
+        self.evictor.start()
+
+    def _attach_gpu(self, gpu: Any) -> None:
+        try:
+            self.engine.attach_device(gpu, self.host)
+        except Exception:
+            gpu.close()
+            raise
+        self.gpu = gpu
+        # device slots are few and clean once drained: plain recency
+        self.gpup = GpuPlacement(self.table, gpu, _lru("lru"), self.diskp)
+        self.gpu_path = GpuPath(self)
+
+    # ---- shared by the paths (lock held) ----------------------------------------------------------
+    def ns(self, s: Session) -> Namespace:
+        """The connection's namespace; BadRequest before HELLO."""
+        if s.ns is None:
+            raise BadRequest("no namespace on this connection: send HELLO first")
+        return s.ns
+
+    def tier(self, tier: object) -> str:
+        """Check a tier name from the wire: "host", or "gpu" when the GPU tier is on."""
+        if tier == "host":
+            return "host"
+        if tier == "gpu":
+            check_gpu(self)
+            return "gpu"
+        raise BadRequest(f"tier must be 'host' or 'gpu', got {tier!r}")
+
+    def host_slot(self, slot: int, wait: bool = True) -> int:
+        """A host slot, evicting clean blocks (or, with ``wait``, waiting for write-back). Lock held."""
+        hp = self.hostp
+        deadline = None
+        while True:
+            off = hp.alloc_free(slot)
+            if off is not None:
+                if hp.above_high():
+                    self.evictor.kick()
+                return off
+            if self.closing:
+                raise TierFull("daemon is shutting down")
+            if hp.evict_for(slot):
+                self.changed.notify_all()
+                continue
+            if not wait:
+                raise TierFull("host tier has no clean block to evict right now")
+            if deadline is None:
+                deadline = time.monotonic() + 30.0
+            self.evictor.kick(force=True)
+            if time.monotonic() > deadline or not hp.evictable_exists():
+                raise TierFull("host tier is full: every block is leased or pinned")
+            self.changed.wait(0.05)
+
+    def host_tensor(self, offset: int, nbytes: int) -> Any:
+        """A torch view of a host slot, sliced from one tensor over the whole pool: slots adjacent in
+        the pool are then adjacent in one storage, and the copy queues merge them into one copy."""
+        if self._host_t is None:
+            import torch
+
+            self._host_t = torch.from_numpy(self.host.array)
+        return self._host_t[offset:offset + nbytes]
+
+    def set_config(self, cfg: Config) -> None:
+        """New settings for every decision that reads them (``tierkv tune``). Lock held."""
+        self.cfg = self.diskp.cfg = self.hostp.cfg = cfg
+
+    def _make_disk_room(self, incoming: int) -> list[bytes]:
+        """Called by the disk writer: keys to delete so ``incoming`` bytes fit under the high watermark."""
+        with self.lock:
+            return self.diskp.room(incoming)
+
+    def _requested(self, s: Session, keys: list[bytes]) -> None:
+        """A request uses its prefix chain ``keys`` (fetch, acquire, prefetch; a lookup is only a
+        query, and clients mostly answer it from the shared index): the reuse models learn from it."""
+        fks, now = [s.fp + k for k in keys], time.monotonic()
+        with self.lock:
+            self.host_reuse.requested(fks, now)
+            if self.cfg.disk.admission == "predicted":
+                self.admission.requested(fks, now)
+
+    # ---- connections ------------------------------------------------------------------------------
+    def register(self, s: Session, ns: Namespace) -> None:
+        """Bind a connection to its namespace (once: its slots and leases are sized for it)."""
+        slot = slot_size_for(ns.layout.block_bytes)
+        if slot > self.host.slab_bytes:
+            raise BadRequest(f"a block of {ns.layout.block_bytes} bytes exceeds the host slab size "
+                             f"({self.host.slab_bytes}); raise host.slab_bytes")
+        with self.lock:
+            self.table.bind(s, ns)
+
+    def close_session(self, s: Session) -> None:
+        """Release everything a connection held (it may have died without a word)."""
+        with self.lock:
+            self.table.drop_leases(s)
+            for off in s.slots:
+                self.host.free(off)
+            s.slots.clear()
+            for off in s.gpu_slots:
+                self.gpu.free(off)
+            s.gpu_slots.clear()
+            self.table.unbind(s)
+            self.changed.notify_all()
+
+    # ---- store path -------------------------------------------------------------------------------
+    def alloc(self, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host") -> list[int | None]:
+        """Slots of ``tier`` for ``n`` new blocks (None where ``keys[i]`` is already cached)."""
+        return self.store_path.alloc(s, self.ns(s), n, keys, tier)
+
+    def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
+               tier: str = "host", wait: bool = True) -> int:
+        """Publish written slots under ``keys``; returns how many were new (the rest deduplicated).
+
+        ``durable`` with ``wait=False`` (host tier): return once the disk write is queued; :meth:`sync`
+        waits for it (a client streams a large durable put: its next copy overlaps this write)."""
+        ns = self.ns(s)
+        if len(keys) != len(offsets):
+            raise BadRequest("keys and slots differ in length")
+        if durable and self.disk is None:
+            raise BadRequest("durable=True needs the disk tier, which is disabled")
+        if self.tier(tier) == "gpu":
+            return self.store_path.commit_gpu(s, ns, keys, offsets, durable)
+        return self.store_path.commit(s, ns, keys, offsets, durable, wait)
+
+    def sync(self, s: Session) -> None:
+        """Wait for the durable writes this connection committed with ``wait=False``."""
+        self.store_path.sync(s)
+
+    def abort(self, s: Session, offsets: list[int], tier: str = "host") -> None:
+        """Give back allocated slots without committing them."""
+        self.store_path.abort(s, offsets, self.tier(tier) == "gpu")
+
+    # ---- load path --------------------------------------------------------------------------------
+    def lookup(self, s: Session, keys: list[bytes]) -> list[str]:
+        """Tier of each leading cached block; stops at the first miss."""
+        self.ns(s)
+        return self.fetch_path.lookup(s, keys)
+
+    def lookup_count(self, s: Session, keys: list[bytes]) -> int:
+        """``len(self.lookup(s, keys))`` without naming the tiers."""
+        self.ns(s)
+        return self.fetch_path.lookup_count(s, keys)
+
+    def acquire(self, s: Session, keys: list[bytes], tier: str = "host") -> tuple[int, list[int], list[str]]:
+        """Lease the longest cached prefix in host (or GPU) memory, promoting as needed.
+
+        Returns:
+            (lease id, slot offsets of the leased prefix, tier each block came from).
+        """
+        return self.wait(s, self.fetch(s, keys, tier), None)
+
+    def fetch(self, s: Session, keys: list[bytes], tier: str = "host") -> int:
+        """Start leasing the cached prefix of ``keys``; returns a ticket for :meth:`wait`. Never blocks
+        on the disk. With ``tier="gpu"`` the lease is on GPU slots, promoted in the background."""
+        ns = self.ns(s)
+        self._requested(s, keys)
+        if self.tier(tier) != "gpu":
+            return self.fetch_path.fetch(s, ns, keys)
+        leased, tiers = self.gpu_path.promote(s, ns, keys, lease=True)
+        with self.lock:
+            self.table.count_fetch(s.fp, len(keys), len(leased))
+            return self.table.open_ticket(s, leased, tiers, "gpu")
+
+    def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
+        """Turn a ticket into a lease on the prefix that arrived within ``timeout`` seconds."""
+        return self.fetch_path.wait(s, ticket, timeout)
+
+    def prefetch(self, s: Session, keys: list[bytes], tier: str = "host") -> int:
+        """Warm the cached prefix in host (or GPU) memory in the background; returns loads started."""
+        ns = self.ns(s)
+        self._requested(s, keys)
+        if self.tier(tier) == "gpu":
+            return len(self.gpu_path.promote(s, ns, keys, lease=False)[0])
+        return self.fetch_path.prefetch(s, ns, keys)
+
+    def plan(self, s: Session, keys: list[bytes]) -> dict:
+        """Where the cached prefix is and how much of it is worth fetching rather than recomputing."""
+        return self.fetch_path.plan(s, self.ns(s), keys)
+
+    def release(self, s: Session, lease_ids: Iterable[int]) -> None:
+        """End leases; unknown ids (double release, another client's lease) are an error."""
+        with self.lock:
+            self.table.release(s, lease_ids)
+            self.changed.notify_all()
+
+    # ---- signals from the engine ------------------------------------------------------------------
+    def touch(self, s: Session, keys: list[bytes], scores: list[float]) -> int:
+        """Record attention mass per block (1.0 = uniform) for the policies; returns blocks found."""
+        self.ns(s)
+        found = 0
+        with self.lock:
+            for k, mass in zip(keys, scores):
+                b = self.table.get(s.fp + k)
+                if b is None:
+                    continue
+                found += 1
+                b.mass = mass
+                if b.fk in self.hostp.policy:
+                    self.hostp.policy.on_touch(b.fk, mass)
+                if b.on_disk:
+                    self.diskp.policy.on_touch(b.fk, mass)
+        return found
+
+    def request_finished(self, s: Session, keys: list[bytes]) -> int:
+        """The engine finished a request whose prompt and output chain is ``keys``: a conversation tail
+        its next turn may extend. Returns how many of the keys are cached."""
+        fks = [s.fp + k for k in keys]
+        with self.lock:
+            now = time.monotonic()
+            self.host_reuse.request_finished(fks, now)
+            self.admission.request_finished(fks, now)
+            return sum(1 for fk in fks if fk in self.table)
+
+    def delete(self, s: Session, keys: list[bytes]) -> int:
+        """Drop blocks from every tier (leased or in-flight ones are skipped); returns blocks dropped."""
+        self.ns(s)
+        gone: list[bytes] = []
+        with self.lock:
+            for k in keys:
+                b = self.table.get(s.fp + k)
+                if b is None or b.busy:
+                    continue
+                if b.gpu_off is not None:
+                    self.gpup.policy.on_remove(b.fk)
+                    self.gpu.free(b.gpu_off)
+                    b.gpu_off = None
+                if b.host_off is not None:
+                    self.hostp.policy.on_remove(b.fk)
+                    self.host.free(b.host_off)
+                    b.host_off = None
+                if b.on_disk:
+                    gone.append(b.fk)
+                self.diskp.forget(b)
+            self.changed.notify_all()
+        if gone and self.disk is not None:
+            self.disk.delete(gone)
+        return len(keys) - sum(1 for k in keys if (s.fp + k) in self.table)
+
+    # ---- pinned prefixes and windows --------------------------------------------------------------
+    def pin_prefix(self, s: Session, keys: list[bytes], priority: int) -> int:
+        """Keep ``keys`` in the host tier until unpinned (:func:`tierkv.daemon.retention.pin_prefix`)."""
+        return retention.pin_prefix(self, s, keys, priority)
+
+    def unpin(self, s: Session, keys: list[bytes]) -> int:
+        """Make pinned blocks evictable again; returns blocks unpinned."""
+        return retention.unpin(self, s, keys)
+
+    def window(self, s: Session, keys: list[bytes], budget: int, sinks: int, recent: int) -> int:
+        """Fit a live sequence into ``budget`` host blocks; returns how many blocks were demoted."""
+        return retention.window(self, s, keys, budget, sinks, recent)
+
+    # ---- operator requests ------------------------------------------------------------------------
+    def apply(self, new: Config, changed: set[str]) -> None:
+        """Apply changed settings to the running tiers; a bad value raises ``ValueError``, nothing changes."""
+        tuning.apply(self, new, changed)
+
+    def verify(self, drop: bool = False) -> dict:
+        """Decode every disk value; report bad ones and optionally drop them."""
+        return scrub.verify(self, drop)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Leases, lookup index, health, tiers, namespaces and transfers, for ``tierkv stats``."""
+        return snapshot.store_snapshot(self)
+
+    def health(self) -> str:
+        """Why the store is degraded ("" when healthy)."""
+        reason = self.degraded
+        if self.remote is not None and self.remote.state()["state"] != "up":
+            reason = reason or f"remote tier {self.remote.state()['state']}"
+        return reason
+
+    # ---- shutdown ---------------------------------------------------------------------------------
+    def flush(self, timeout: float) -> int:
+        """Write every dirty host block to disk (a warm next start); returns blocks written."""
+        if self.disk is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        with self.lock:  # GPU commits first reach host memory (the drain), then the disk
+            if self.gpu_path is not None:
+                self.gpu_path.retry_drains()
+            while any(b.draining for b in self.table.records()) and time.monotonic() < deadline:
+                self.changed.wait(0.05)
+            dirty = [b for b in self.table.records() if b.host_ready and not b.on_disk and not b.writing]
+            batch = self.cfg.disk.write_batch
+            jobs = [self.transfers.store(dirty[i:i + batch]) for i in range(0, len(dirty), batch)]
+        for j in jobs:
+            j.wait(max(0.0, deadline - time.monotonic()))
+        return sum(1 for j in jobs if j.done.is_set() and j.error is None for m in j.moves if m.ok)
+
+    def close(self, timeout: float) -> None:
+        """Stop threads, finish in-flight writes, close LMDB and the pools."""
+        self.closing = True
+        self.evictor.stop()
+        self.engine.close(timeout)
+        self.tiers.close()
+        self.table.close()

@@ -1,0 +1,199 @@
+"""The load path: ``lookup`` says how much of a prefix is cached and where, ``fetch`` leases it
+(promoting cold blocks in the background) and returns a ticket, ``wait`` turns the ticket into a lease
+on what arrived in time; ``prefetch`` only warms blocks and ``plan`` weighs fetching against recompute."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+from tierkv.cache.block import Block, Session, fetch_source, tier_of
+from tierkv.cache.costmodel import Run
+from tierkv.cache.table import unlease
+from tierkv.core.errors import TierFull
+from tierkv.core.keys import Namespace
+from tierkv.tiers.host import slot_size_for
+
+if TYPE_CHECKING:
+    from tierkv.daemon.blockstore import BlockStore
+
+
+class FetchPath:
+    """Lookups, fetches into host memory, waits, prefetches and plans."""
+
+    def __init__(self, st: BlockStore) -> None:
+        self.st = st
+
+    def lookup(self, s: Session, keys: list[bytes]) -> list[str]:
+        """Tier of each leading cached block; stops at the first miss."""
+        st = self.st
+        with st.lock:
+            out = st.table.lookup(s.fp, keys)
+        if st.remote is not None and len(out) < len(keys):
+            # Only the part of the prefix no local tier holds, in one round trip (outside the lock).
+            out += ["remote"] * st.remote.prefix_len(s.fp, keys[len(out):])
+        return out
+
+    def lookup_count(self, s: Session, keys: list[bytes]) -> int:
+        """How many leading blocks are cached, without naming the tiers (the scheduler's hot path)."""
+        st = self.st
+        with st.lock:
+            n = st.table.lookup_count(s.fp, keys)
+        if n < len(keys) and st.remote is not None:
+            n += st.remote.prefix_len(s.fp, keys[n:])  # outside the lock, as in lookup
+        return n
+
+    # ---- fetch ------------------------------------------------------------------------------------
+    def fetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
+        """Lease the cached prefix in host memory: host blocks at once, colder ones as they arrive."""
+        st = self.st
+        slot = slot_size_for(ns.layout.block_bytes)
+        leased: list[Block] = []
+        tiers: list[str] = []
+        loads: list[Block] = []
+        with st.lock:
+            for k in keys:
+                b = st.table.get(s.fp + k)
+                if b is None:
+                    st.hostp.stats.misses += 1
+                    break
+                source = self._lease_source(b, slot, loads)
+                if source is None:
+                    break
+                tiers.append(source)
+                b.leases += 1
+                st.hostp.touch(b)
+                leased.append(b)
+            if loads:
+                st.transfers.load(ns, loads)
+            st.transfers.write_through([b for b in leased if b.loading is None])
+        if st.remote is not None and len(leased) < len(keys):
+            self._fetch_remote(s, ns, keys[len(leased):], slot, leased, tiers)
+        with st.lock:
+            st.table.count_fetch(s.fp, len(keys), len(leased))
+            return st.table.open_ticket(s, leased, tiers, "host")
+
+    def _lease_source(self, b: Block, slot: int, loads: list[Block]) -> str | None:
+        """The tier a host lease on ``b`` is served from, starting its load when it has no host slot;
+        None: it cannot be leased at this point (the prefix ends). Lock held."""
+        st = self.st
+        if b.host_off is not None:
+            st.hostp.stats.hits += 1
+            st.hostp.stats.bytes_out += b.nbytes  # leased to the client: read from the host tier
+            return fetch_source(b)
+        if b.on_disk:
+            try:
+                b.host_off = st.host_slot(slot)
+            except TierFull:
+                return None  # no room to promote: the prefix so far is what the client gets
+            st.transfers.start_loads([b])
+            loads.append(b)
+            st.hostp.stats.misses += 1
+            return "disk"
+        if b.gpu_off is not None and b.gpu_loading is None and not b.draining:
+            try:  # only on the GPU (its host copy was dropped unwritten): copy it back down
+                b.host_off = st.host_slot(slot)
+            except TierFull:
+                return None
+            st.gpu_path.copy_to_host([b])
+            st.hostp.stats.misses += 1
+            return "gpu"
+        return None
+
+    def _fetch_remote(self, s: Session, ns: Namespace, keys: list[bytes], slot: int, leased: list[Block],
+                      tiers: list[str]) -> None:
+        """Continue a fetch from the remote tier: the part of the prefix no local tier holds."""
+        st = self.st
+        n = st.remote.prefix_len(s.fp, keys)  # network: outside the lock
+        if n == 0:
+            return
+        loads: list[Block] = []
+        with st.lock:
+            for k in keys[:n]:
+                fk = s.fp + k
+                if fk in st.table:  # appeared meanwhile (another client): end the prefix here
+                    break
+                try:
+                    off = st.host_slot(slot)
+                except TierFull:
+                    break
+                b = Block(fk, ns.layout.block_bytes, host_off=off, on_remote=True, leases=1)
+                st.transfers.start_loads([b])
+                st.table.add(b)
+                loads.append(b)
+                leased.append(b)
+                tiers.append("remote")
+            if not loads:
+                return
+        st.transfers.load_remote(loads)
+
+    # ---- wait -------------------------------------------------------------------------------------
+    def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
+        """Turn a ticket into a lease on the exact prefix that arrived within ``timeout`` seconds.
+
+        Blocks still loading after the timeout are cut off (a partial result is normal); their loads
+        finish in the background and stay cached.
+        """
+        st = self.st
+        with st.lock:
+            leased, tiers, tier = st.table.take_ticket(s, ticket)
+        gpu = tier == "gpu"
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        cut = len(leased)
+        for i, b in enumerate(leased):
+            ev = b.gpu_loading if gpu else b.loading
+            if ev is not None and not ev.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                cut = i
+                break
+            if (b.gpu_off is None or b.gpu_loading is not None) if gpu else (b.load_failed or b.host_off is None):
+                cut = i
+                break
+        with st.lock:
+            for b in leased[cut:]:
+                unlease(b, tier)
+            lease = st.table.hold(s, ticket, leased[:cut], tier)
+            st.changed.notify_all()
+            offs = [b.gpu_off if gpu else b.host_off for b in lease.blocks]
+            return lease.id, offs, tiers[:cut]  # type: ignore[return-value]
+
+    # ---- prefetch and plan ------------------------------------------------------------------------
+    def prefetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
+        """Promote the disk-only blocks of the cached prefix into host memory; returns loads started."""
+        st = self.st
+        slot = slot_size_for(ns.layout.block_bytes)
+        loads: list[Block] = []
+        with st.lock:
+            for b in st.table.prefix(s.fp, keys):
+                if b.host_off is None and b.on_disk:
+                    try:
+                        b.host_off = st.host_slot(slot, wait=False)
+                    except TierFull:
+                        break
+                    st.transfers.start_loads([b])
+                    loads.append(b)
+            if loads:
+                st.transfers.load(ns, loads)
+        return len(loads)
+
+    def plan(self, s: Session, ns: Namespace, keys: list[bytes]) -> dict:
+        """Where each leading cached block is, whether it is ready in host memory, and how many leading
+        blocks are worth fetching rather than recomputing (from the measured cost model)."""
+        with self.st.lock:
+            found = self.st.table.prefix(s.fp, keys)
+            tiers = [tier_of(b) for b in found]
+            ready = [b.host_ready or b.gpu_ready for b in found]
+        bt, bb = ns.layout.block_tokens, ns.layout.block_bytes
+        runs = []
+        for tier, group in itertools.groupby(("host" if r else "disk" for r in ready)):
+            n = len(list(group))
+            runs.append(Run(tier, n * bb, n * bt))
+        plans = self.st.engine.cost.plan(runs) if runs else []
+        fetch = 0
+        for p in plans:
+            if not p.fetch:
+                break
+            fetch += p.tokens // bt
+        return {"count": len(tiers), "tiers": tiers, "ready": ready, "fetch": fetch,
+                "runs": [{"tier": p.tier, "blocks": p.tokens // bt, "fetch": p.fetch,
+                          "fetch_s": p.fetch_s, "recompute_s": p.recompute_s} for p in plans]}

@@ -1,0 +1,195 @@
+"""The GPU tier's paths: commits drain from device slots into host slots (their only copy until then),
+and fetches promote blocks from host or disk into device slots. Copies run on the transfer engine's
+queues; records settle in their completion callbacks. Called with the store's lock held unless said."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from tierkv.cache.block import Block, Session
+from tierkv.core.errors import BadRequest, TierFull
+from tierkv.core.keys import Namespace
+from tierkv.daemon.jobs import completion, same, settle
+from tierkv.daemon.transfers import ready_after
+from tierkv.movers.streams import Copy
+from tierkv.tiers.host import slot_size_for
+
+if TYPE_CHECKING:
+    from tierkv.daemon.blockstore import BlockStore
+
+
+class GpuPath:
+    """GPU drains (device -> host) and promotions (host -> device)."""
+
+    def __init__(self, st: BlockStore) -> None:
+        self.st = st
+        self.gpu = st.gpu
+        self.undrained: list[Block] = []  # GPU commits waiting for a host slot to drain into
+
+    # ---- slots ------------------------------------------------------------------------------------
+    def slot(self, slot: int, wait: bool = True) -> int:
+        """A device slot, dropping clean device copies (or, with ``wait``, waiting for drains)."""
+        st = self.st
+        deadline = None
+        while True:
+            off = st.gpup.alloc(slot)
+            if off is not None:
+                return off
+            if not wait or st.closing:
+                raise TierFull("GPU tier has no evictable block right now")
+            if deadline is None:
+                deadline = time.monotonic() + 30.0
+            if time.monotonic() > deadline or not st.gpup.draining():
+                raise TierFull("GPU tier is full: every block is leased or being filled")
+            st.changed.wait(0.05)
+
+    # ---- drains -----------------------------------------------------------------------------------
+    def drain(self, blocks: list[Block]) -> None:
+        """Copy GPU commits into host slots (the store queue; never waits for room)."""
+        st = self.st
+        started: list[Block] = []
+        for i, b in enumerate(blocks):
+            if b.fk not in st.table or b.gpu_off is None or not b.draining:
+                continue  # deleted meanwhile
+            try:
+                b.host_off = st.host_slot(slot_size_for(b.nbytes), wait=False)
+            except TierFull:
+                # host memory is full of blocks still being written back: retry when the evictor frees some
+                self.undrained.extend(x for x in blocks[i:] if x.draining)
+                st.evictor.kick(force=True)
+                break
+            started.append(b)
+        self.copy_to_host(started)
+
+    def retry_drains(self) -> None:
+        """Drain the GPU commits that found no host slot before (takes the lock)."""
+        with self.st.lock:
+            pending, self.undrained = self.undrained, []
+            self.drain(pending)
+
+    def copy_to_host(self, blocks: list[Block]) -> None:
+        """GPU slot -> the host slot already assigned to each block, on the store queue."""
+        if not blocks:
+            return
+        st = self.st
+        copies: list[Copy] = []
+        for b in blocks:
+            b.loading = threading.Event()
+            b.load_failed = False
+            b.gpu_leases += 1  # the GPU slot is the copy's source
+            copies.append(Copy(self.gpu.view(b.gpu_off, b.nbytes), st.host_tensor(b.host_off, b.nbytes)))
+
+        def each(b: Block, c: Copy) -> None:
+            ev = settle(b)
+            b.gpu_leases -= 1
+            if c.ok:
+                b.draining = False
+                st.hostp.inserted(b)
+                st.hostp.stats.bytes_in += b.nbytes
+                st.gpup.stats.demotions += 1
+            else:
+                st.hostp.free_failed(b)
+                st.gpup.stats.errors += 1
+                if b.draining:
+                    self.undrained.append(b)  # the GPU copy is the only one: try again later
+            if ev is not None:
+                ev.set()
+
+        def locked(_cs: list[Copy]) -> None:
+            st.transfers.write_through([b for b in blocks if b.host_off is not None])
+
+        st.engine.to_host(copies, completion(st.changed, blocks, each, results=same, locked=locked,
+                                             after=lambda _cs: st.evictor.kick()))
+
+    # ---- promotions -------------------------------------------------------------------------------
+    def promote(self, s: Session, ns: Namespace, keys: list[bytes], lease: bool) -> tuple[list[Block], list[str]]:
+        """Bring the cached prefix of ``keys`` into GPU slots: blocks already there at once, host blocks by
+        a host -> gpu copy on the load queue, disk blocks by a disk load chained to that copy. With
+        ``lease`` every block of the prefix is leased on the GPU (the caller's ticket); without, only
+        copies start (prefetch). Never waits for a transfer. Takes the lock."""
+        st = self.st
+        slot = slot_size_for(ns.layout.block_bytes)
+        leased: list[Block] = []
+        tiers: list[str] = []
+        loads: list[Block] = []
+        moving: list[Block] = []
+        copies: list[Copy] = []
+        with st.lock:
+            for k in keys:
+                b = st.table.get(s.fp + k)
+                if b is None:
+                    st.gpup.stats.misses += 1
+                    break
+                if b.gpu_off is not None:
+                    st.gpup.stats.hits += 1
+                    st.gpup.policy.on_access(b.fk)
+                    b.hits += 1
+                    if lease:
+                        b.gpu_leases += 1
+                        leased.append(b)
+                        tiers.append("gpu")
+                    continue
+                source = self._source(b, slot, loads)
+                if source is None:
+                    break
+                try:
+                    goff = self.slot(slot, wait=False)
+                except TierFull:
+                    break  # no room on the GPU: the prefix so far is what the client gets
+                st.gpup.stats.misses += 1
+                st.hostp.touch(b)
+                b.gpu_off, b.gpu_loading = goff, threading.Event()
+                b.leases += 1  # the host slot is the copy's source: keep it until the copy is done
+                moving.append(b)
+                copies.append(Copy(st.host_tensor(b.host_off, b.nbytes), self.gpu.view(goff, b.nbytes),
+                                   ready=None if b.loading is None else ready_after(b, b.loading)))
+                if lease:
+                    b.gpu_leases += 1
+                    leased.append(b)
+                    tiers.append(source)
+            if loads:
+                st.transfers.load(ns, loads)
+        if copies:
+            self._to_device(moving, copies)
+        return (leased if lease else moving), tiers
+
+    def _source(self, b: Block, slot: int, loads: list[Block]) -> str | None:
+        """Where a promotion's bytes come from; a disk-only block gets a host slot to load into first.
+        None: the block cannot be promoted at this point (the prefix ends)."""
+        if b.host_off is not None:
+            return "host" if b.loading is None else "disk"  # already coming from disk (or draining)
+        if not b.on_disk:
+            return None
+        try:
+            b.host_off = self.st.host_slot(slot, wait=False)
+        except TierFull:
+            return None
+        b.loading, b.load_failed = threading.Event(), False
+        loads.append(b)
+        return "disk"
+
+    def _to_device(self, moving: list[Block], copies: list[Copy]) -> None:
+        st = self.st
+
+        def each(b: Block, c: Copy) -> None:
+            ev = settle(b, "gpu_loading")
+            b.leases -= 1
+            if c.ok:
+                st.gpup.inserted(b)
+                st.gpup.stats.promotions += 1
+                st.gpup.stats.bytes_in += b.nbytes
+            else:  # its source never arrived (a bad disk value): a miss, never served
+                self.gpu.free(b.gpu_off)  # type: ignore[arg-type]
+                b.gpu_off = None
+            if ev is not None:
+                ev.set()
+
+        st.engine.to_device(copies, completion(st.changed, moving, each, results=same))
+
+
+def check_gpu(st: BlockStore) -> None:
+    """Raise BadRequest when the GPU tier is off."""
+    if st.gpu is None:
+        raise BadRequest("the GPU tier is off (start the daemon with --gpu-capacity)")

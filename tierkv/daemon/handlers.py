@@ -1,0 +1,228 @@
+"""Request handlers: one method per opcode, named after it. Each checks its request body, calls the
+block store and returns the reply body (or :data:`SENT` when it replied itself)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+from tierkv.cache import tuning
+from tierkv.cache.block import Session, validate_keys
+from tierkv.core import protocol
+from tierkv.core.errors import BadRequest
+from tierkv.core.keys import Namespace
+from tierkv.core.protocol import Op
+from tierkv.daemon.blockstore import BlockStore
+
+if TYPE_CHECKING:
+    from tierkv.daemon.server import Server
+
+SENT = object()  # a handler's result when it sent its reply itself (HELLO passes file descriptors)
+
+
+class Handlers:
+    """The handlers of one server; :meth:`by_opcode` maps each opcode to (Op, handler)."""
+
+    def __init__(self, srv: Server) -> None:
+        self.srv = srv
+
+    @property
+    def store(self) -> BlockStore:
+        """The running server's block store."""
+        assert self.srv.store is not None
+        return self.srv.store
+
+    def by_opcode(self) -> dict[int, tuple[Op, Any]]:
+        """opcode -> (Op, bound handler), built once: no enum or attribute lookups per request."""
+        return {int(o): (o, getattr(self, o.name.lower())) for o in Op if hasattr(self, o.name.lower())}
+
+    def ping(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Liveness: the daemon's pid and protocol version."""
+        return {"pong": True, "pid": os.getpid(), "version": protocol.VERSION}
+
+    def hello(self, conn: socket.socket, s: Session, body: dict) -> Any:
+        """Bind the connection to a namespace; the reply carries the pools' and the index's fds."""
+        try:
+            ns = Namespace.from_dict(body.get("namespace") or {})
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        self.store.register(s, ns)
+        pool = self.store.host
+        body = {"fingerprint": ns.fingerprint, "pool_bytes": pool.capacity, "session": s.id, "pid": os.getpid()}
+        fds = [pool.fd]
+        if self.store.gpu is not None:
+            # CUDA: an IPC handle in the body; the CPU stand-in: a second memfd after the host pool's.
+            body["gpu"], gpu_fds = self.store.gpu.export()
+            fds += gpu_fds
+        if self.store.table.index is not None:
+            # The lookup index, last: clients answer lookups from it (the remote tier still needs us).
+            body["lookup_index"] = {"remote": self.store.remote is not None}
+            fds.append(self.store.table.index.fd)
+        # The reply carries the pool's memfd (SCM_RIGHTS): no named shared memory exists to leak.
+        socket.send_fds(conn, [protocol.pack(Op.HELLO, s.rid, body)], fds)
+        return SENT
+
+    def alloc(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Slots for new blocks (None for keys already cached)."""
+        keys = body.get("keys")
+        if keys is not None:
+            keys = validate_keys(keys)
+        n = body.get("n", len(keys) if keys is not None else 0)
+        return {"slots": self.store.alloc(s, n, keys, body.get("tier", "host"))}
+
+    def commit(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Publish written slots under their keys."""
+        keys = validate_keys(body.get("keys"))
+        slots = body.get("slots")
+        if not isinstance(slots, list):
+            raise BadRequest("slots must be a list")
+        wait = body.get("wait", True)
+        if type(wait) is not bool:
+            raise BadRequest("wait must be a bool")
+        return {"new": self.store.commit(s, keys, slots, bool(body.get("durable", False)), body.get("tier", "host"),
+                                         wait)}
+
+    def sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Wait for this connection's queued durable writes."""
+        self.store.sync(s)
+        return {}
+
+    def abort(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Give back allocated slots unwritten."""
+        slots = body.get("slots")
+        if not isinstance(slots, list) or not all(type(x) is int for x in slots):
+            raise BadRequest("slots must be a list of ints")
+        self.store.abort(s, slots, body.get("tier", "host"))
+        return {}
+
+    def lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """How much of a prefix is cached (and, with ``tiers``, where)."""
+        keys = validate_keys(body.get("keys"))
+        if not body.get("tiers"):
+            return {"count": self.store.lookup_count(s, keys)}
+        tiers = self.store.lookup(s, keys)
+        return {"count": len(tiers), "tiers": tiers}
+
+    def acquire(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Lease the cached prefix, waiting for promotions."""
+        lease, slots, tiers = self.store.acquire(s, validate_keys(body.get("keys")), body.get("tier", "host"))
+        return {"lease": lease, "slots": slots, "tiers": tiers}
+
+    def fetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Start leasing the cached prefix; a ticket for WAIT."""
+        return {"ticket": self.store.fetch(s, validate_keys(body.get("keys")), body.get("tier", "host"))}
+
+    def wait(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Turn a ticket into a lease on what arrived within the timeout."""
+        timeout = body.get("timeout")
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
+            raise BadRequest("timeout must be a non-negative number or None")
+        lease, slots, tiers = self.store.wait(s, body.get("ticket"), timeout)
+        return {"lease": lease, "slots": slots, "tiers": tiers}
+
+    def prefetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Warm the cached prefix in the background."""
+        return {"started": self.store.prefetch(s, validate_keys(body.get("keys")), body.get("tier", "host"))}
+
+    def plan(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Where the cached prefix is and how much is worth fetching."""
+        return self.store.plan(s, validate_keys(body.get("keys")))
+
+    def recompute(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """A measured recompute speed for the cost model."""
+        tokens, seconds = body.get("tokens"), body.get("seconds")
+        if not isinstance(tokens, int) or tokens <= 0 or not isinstance(seconds, int | float) or seconds <= 0:
+            raise BadRequest("tokens must be a positive int and seconds a positive number")
+        self.store.engine.cost.observe_recompute(tokens, float(seconds))
+        return {"tokens_per_s": self.store.engine.cost.recompute_tokens_per_s()}
+
+    def release(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """End leases."""
+        leases = body.get("leases")
+        if not isinstance(leases, list) or not all(isinstance(x, int) for x in leases):
+            raise BadRequest("leases must be a list of ints")
+        self.store.release(s, leases)
+        return {}
+
+    def delete(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Drop blocks from every tier."""
+        return {"deleted": self.store.delete(s, validate_keys(body.get("keys")))}
+
+    def request_finished(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """The engine finished a request: a chain its next turn may extend."""
+        return {"cached": self.store.request_finished(s, validate_keys(body.get("keys")))}
+
+    def touch(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Attention mass per block for the policies."""
+        keys = validate_keys(body.get("keys"))
+        scores = body.get("scores")
+        if not isinstance(scores, list) or len(scores) != len(keys):
+            raise BadRequest("scores must be a list as long as keys")
+        try:
+            scores = [float(x) for x in scores]
+        except (TypeError, ValueError):
+            raise BadRequest("scores must be numbers") from None
+        if not all(math.isfinite(x) and x >= 0 for x in scores):
+            raise BadRequest("scores must be finite numbers >= 0")  # checked before any block is touched
+        return {"touched": self.store.touch(s, keys, scores)}
+
+    def stats(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """The stats snapshot, or with ``samples`` the sample ring."""
+        if body.get("samples"):  # the sample ring instead of the snapshot
+            return self.srv.samples.snapshot() if self.srv.samples is not None else {"interval_s": 0, "samples": []}
+        return self.srv.stats()
+
+    def health(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """ok or degraded, with the reason."""
+        reason = self.store.health()
+        return {"status": "degraded" if reason else "ok", "reason": reason}
+
+    def verify(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Decode every disk value; optionally drop the bad ones."""
+        return self.store.verify(bool(body.get("drop", False)))
+
+    def config(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """The effective settings and where each came from (the password masked)."""
+        settings = self.srv.cfg.to_dict()
+        if settings["remote"].get("password"):
+            settings["remote"]["password"] = "***"
+        return {"settings": settings, "sources": dict(self.srv.cfg.sources)}
+
+    def tune(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Change settings on the running daemon: all are checked first; a bad one changes nothing."""
+        import copy
+
+        settings = body.get("settings")
+        if not isinstance(settings, dict) or not settings:
+            raise BadRequest("settings must be a non-empty map of KEY to VALUE")
+        new = copy.deepcopy(self.srv.cfg)
+        try:
+            for key, value in settings.items():
+                tuning.check_restart_only(key)
+                new.set(key, value, "tune")
+            new.validate()
+            self.store.apply(new, set(settings))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        self.srv.cfg = new
+        if "server.log_level" in settings:
+            logging.getLogger().setLevel(new.server.log_level.upper())
+        return {"applied": sorted(settings)}
+
+    def pin(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Keep a prefix in host memory until unpinned."""
+        return {"pinned": self.store.pin_prefix(s, validate_keys(body.get("keys")), body.get("priority", 80))}
+
+    def unpin(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Make pinned blocks evictable again."""
+        return {"unpinned": self.store.unpin(s, validate_keys(body.get("keys")))}
+
+    def window(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Fit a live sequence into a host budget; the rest goes to disk."""
+        args = [body.get(k) for k in ("budget", "sinks", "recent")]
+        if not all(isinstance(a, int) for a in args):
+            raise BadRequest("budget, sinks and recent must be ints")
+        return {"demoted": self.store.window(s, validate_keys(body.get("keys")), *args)}

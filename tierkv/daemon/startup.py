@@ -1,0 +1,71 @@
+"""Start-up: the tiers a daemon opens from its settings (host pool, LMDB, GPU pool, remote client),
+and each tier's policy built from the configured weights."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierkv.cache.policy import History, Policy, policy_class
+from tierkv.cache.policy import make_policy as _make
+from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.daemon.config import Config
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.host import HostPool
+
+
+@dataclass
+class Tiers:
+    """The opened tiers; ``disk``, ``gpu`` and ``remote`` are None when off."""
+
+    host: HostPool
+    disk: DiskTier | None
+    gpu: Any
+    remote: Any
+
+    def close(self) -> None:
+        """Close every tier (the reverse of opening them)."""
+        if self.remote is not None:
+            self.remote.close()
+        if self.disk is not None:
+            self.disk.close()
+        if self.gpu is not None:
+            self.gpu.close()
+        self.host.close()
+
+
+def open_tiers(cfg: Config, data_dir: str) -> Tiers:
+    """Create the host pool and open the tiers ``cfg`` turns on."""
+    host = HostPool(cfg.host.capacity, cfg.host.slab_bytes, cfg.host.prefault)
+    disk = None
+    if cfg.disk.enabled:
+        from tierkv.core.faults import disk_fault_from_env
+
+        disk = DiskTier(Path(data_dir) / "disk", cfg.disk.capacity, cfg.disk.sync)
+        disk.fault = disk_fault_from_env()
+    gpu = None
+    if cfg.gpu.capacity:
+        from tierkv.tiers.gpu import DevicePool
+
+        gpu = DevicePool(cfg.gpu.capacity, min(cfg.gpu.slab_bytes, cfg.gpu.capacity), cfg.gpu.device)
+    remote = None
+    if cfg.remote.url:
+        from tierkv.tiers.remote import RemoteTier
+
+        remote = RemoteTier.from_config(cfg.remote)
+    return Tiers(host, disk, gpu, remote)
+
+
+def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | None = None) -> Policy:
+    """A tier's policy with the configured weights, sharing the store's history where it keeps one;
+    with ``reuse`` (the host tier) it also weighs blocks by the learned chance that they come back."""
+    kwargs = cfg.policy_settings(name)
+    params = inspect.signature(policy_class(name)).parameters
+    if "history" in params:
+        kwargs["history"] = history
+    if reuse is not None and "reuse" in params:
+        kwargs["reuse"] = reuse.predictor(time.monotonic)
+    return _make(name, **kwargs)

@@ -1,0 +1,220 @@
+"""The store path: ``alloc`` hands a connection slots, the client writes them, ``commit`` publishes them
+under their keys (a key already cached is deduplicated); durable commits wait for (or queue) the disk
+write. Host and GPU tiers alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tierkv.cache.block import Block, Session
+from tierkv.core.errors import BadRequest, TierFull, TierKVError
+from tierkv.core.keys import Namespace
+from tierkv.movers.transfer import Job
+from tierkv.tiers.host import slot_size_for
+
+if TYPE_CHECKING:
+    from tierkv.daemon.blockstore import BlockStore
+
+
+def job_failed(job: Job) -> TierKVError | None:
+    """The error of a durable write that did not reach disk in full, or None."""
+    if job.error is not None or not all(m.ok for m in job.moves):
+        return job.error or TierFull("durable write failed")
+    return None
+
+
+class StorePath:
+    """Slots out, commits in."""
+
+    def __init__(self, st: BlockStore) -> None:
+        self.st = st
+
+    # ---- alloc ------------------------------------------------------------------------------------
+    def alloc(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, tier: object) -> list[int | None]:
+        """Slots for ``n`` new blocks (None where ``keys[i]`` is already cached: nothing to write)."""
+        st = self.st
+        if not isinstance(n, int) or n < 0:
+            raise BadRequest("n must be a non-negative int")
+        if keys is not None and len(keys) != n:
+            raise BadRequest("keys and n disagree")
+        slot = slot_size_for(ns.layout.block_bytes)
+        if st.tier(tier) == "gpu":
+            return self._alloc_gpu(s, ns, n, keys, slot)
+        if n * slot > st.hostp.limit:
+            raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({st.hostp.limit} bytes)")
+        with st.lock:
+            new = n if keys is None else sum(1 for k in keys if (s.fp + k) not in st.table)
+            if st.hostp.make_room(new * slot):
+                st.changed.notify_all()
+            return self._take_slots(s, n, keys, slot, lambda: st.host_slot(slot), s.slots, st.host.free)
+
+    def _alloc_gpu(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, slot: int) -> list[int | None]:
+        st = self.st
+        gpu = st.gpu
+        if slot > gpu.slab_bytes:
+            raise BadRequest(f"a block of {ns.layout.block_bytes} bytes exceeds the GPU slab size "
+                             f"({gpu.slab_bytes}); raise gpu.slab_bytes")
+        if n * slot > gpu.capacity:
+            raise BadRequest(f"{n} blocks of {slot} bytes exceed the GPU tier ({gpu.capacity} bytes)")
+        with st.lock:
+            return self._take_slots(s, n, keys, slot, lambda: st.gpu_path.slot(slot), s.gpu_slots, gpu.free)
+
+    def _take_slots(self, s: Session, n: int, keys: list[bytes] | None, slot: int, take: Callable[[], int],
+                    owned: dict[int, int], free: Callable[[int], None]) -> list[int | None]:
+        """Slots from ``take`` for the blocks not cached yet (None for cached keys), recorded in the
+        connection's ``owned``; all given back if the tier fills on the way. Lock held."""
+        out: list[int | None] = []
+        try:
+            for i in range(n):
+                if keys is not None and (s.fp + keys[i]) in self.st.table:
+                    out.append(None)
+                    continue
+                off = take()
+                owned[off] = slot
+                out.append(off)
+        except TierFull:
+            for off in out:
+                if off is not None:
+                    owned.pop(off, None)
+                    free(off)
+            raise
+        return out
+
+    # ---- commit -----------------------------------------------------------------------------------
+    def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
+               wait: bool) -> int:
+        """Publish written host slots under ``keys``; returns how many were new."""
+        st = self.st
+        fks = [s.fp + k for k in keys]
+        with st.lock:
+            _check_slots(offsets, s.slots, "slot")
+            new, durable_blocks = self._publish_host(s, ns, fks, offsets, durable)
+            st.transfers.write_through(new)
+            now = time.monotonic()
+            st.host_reuse.stored(fks, now)
+            if st.cfg.disk.admission == "predicted":
+                st.admission.stored(fks, now)
+            job = st.transfers.store(durable_blocks) if durable_blocks else None
+            if job is not None and not wait:
+                s.pending.append(job)
+                job = None
+            st.changed.notify_all()
+        if job is not None:
+            job.wait()
+            err = job_failed(job)
+            if err is not None:
+                raise err
+        st.evictor.kick()
+        return len(new)
+
+    def _publish_host(self, s: Session, ns: Namespace, fks: list[bytes], offsets: list[int],
+                      durable: bool) -> tuple[list[Block], list[Block]]:
+        """Records for committed host slots: (new blocks, blocks a durable commit must write). Lock held."""
+        st = self.st
+        new: list[Block] = []
+        durable_blocks: list[Block] = []
+        parent = None
+        for fk, off in zip(fks, offsets):
+            del s.slots[off]
+            b = st.table.get(fk)
+            if b is None:
+                b = st.table.add(Block(fk, ns.layout.block_bytes, host_off=off, parent=parent))
+                st.hostp.inserted(b, parent)
+                st.hostp.policy.on_access(fk)  # a store is a use (insert alone is not counted)
+                st.hostp.stats.bytes_in += b.nbytes
+                new.append(b)
+            elif b.host_off is None and b.loading is None:
+                b.host_off = off  # on disk only: keep the fresh copy hot instead of reading it back
+                st.hostp.inserted(b, parent)
+            else:
+                st.host.free(off)  # deduplicated
+                st.hostp.touch(b)
+            if durable and not b.on_disk:
+                durable_blocks.append(b)
+            parent = fk
+        return new, durable_blocks
+
+    def commit_gpu(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool) -> int:
+        """Publish GPU slots; their copies to host memory (then disk) go on in the background."""
+        st = self.st
+        fks = [s.fp + k for k in keys]
+        new: list[Block] = []
+        durable_blocks: list[Block] = []
+        with st.lock:
+            _check_slots(offsets, s.gpu_slots, "GPU slot")
+            for fk, off in zip(fks, offsets):
+                del s.gpu_slots[off]
+                b = st.table.get(fk)
+                if b is None:
+                    b = st.table.add(Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True))
+                    st.gpup.inserted(b)
+                    st.gpup.stats.bytes_in += b.nbytes
+                    new.append(b)
+                elif b.gpu_off is None and b.gpu_loading is None:
+                    b.gpu_off = off  # cached in a colder tier: keep the fresh device copy hot
+                    st.gpup.inserted(b)
+                else:
+                    st.gpu.free(off)  # deduplicated
+                    st.hostp.touch(b)
+                if durable and not b.on_disk:
+                    durable_blocks.append(b)
+            st.gpu_path.drain(new)
+            st.changed.notify_all()
+        if durable_blocks:
+            self._make_durable(durable_blocks)
+        return len(new)
+
+    def _make_durable(self, blocks: list[Block]) -> None:
+        """Wait for GPU commits to reach host memory, then write them to disk and wait for the sync."""
+        st = self.st
+        deadline = time.monotonic() + max(30.0, st.cfg.server.drain_timeout_s)
+        with st.lock:
+            while any(b.draining for b in blocks):
+                if st.closing or time.monotonic() > deadline:
+                    raise TierFull("durable write failed: blocks did not reach host memory in time")
+                st.changed.wait(0.05)
+            todo = [b for b in blocks if not b.on_disk and b.host_ready]
+            job = st.transfers.store(todo) if todo else None
+        if job is not None:
+            job.wait()
+            err = job_failed(job)
+            if err is not None:
+                raise err
+
+    # ---- sync and abort ---------------------------------------------------------------------------
+    def sync(self, s: Session) -> None:
+        """Wait for the durable writes this connection committed with ``wait=False``.
+
+        Raises:
+            TierKVError: one of them failed (the first error); every one was waited for.
+        """
+        with self.st.lock:
+            jobs, s.pending = s.pending, []
+        failed: TierKVError | None = None
+        for job in jobs:
+            job.wait()
+            if failed is None:
+                failed = job_failed(job)
+        if failed is not None:
+            raise failed
+
+    def abort(self, s: Session, offsets: list[int], gpu: bool) -> None:
+        """Give back allocated slots without committing them."""
+        st = self.st
+        pool, mine = (st.gpu, s.gpu_slots) if gpu else (st.host, s.slots)
+        with st.lock:
+            for off in offsets:
+                if off in mine:
+                    del mine[off]
+                    pool.free(off)
+            st.changed.notify_all()
+
+
+def _check_slots(offsets: list[int], owned: dict[int, int], what: str) -> None:
+    for off in offsets:
+        if not isinstance(off, int) or off not in owned:
+            raise BadRequest(f"{what} {off!r} was not allocated by this connection")
+    if len(set(offsets)) != len(offsets):
+        raise BadRequest("a slot appears twice")
