@@ -15,6 +15,7 @@ from tierkv.cache.windows import window_out
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace
 from tierkv.daemon.config import Config
+from tierkv.tiers.disk import stored_size
 from tierkv.tiers.host import SlabAllocator
 
 from .helpers import SMALL
@@ -45,7 +46,7 @@ class _Tiers:
         cfg = _cfg(admission)
         self.table = BlockTable()
         self.pool = SlabAllocator(32 * SLOT, 8 * SLOT)
-        self.disk = DiskPlacement(self.table, make_policy("lru"), cfg, lambda: disk_cap)
+        self.disk = DiskPlacement(self.table, make_policy("lru"), cfg, lambda: disk_cap, stored_size)
         self.host = HostPlacement(self.table, self.pool, make_policy("lru"), self.disk, True, ReuseModel(),
                                   Placement(admission), cfg, lambda: True)
 
@@ -192,7 +193,7 @@ def test_disk_room_with_nothing_to_drop_is_tier_full():
 def test_gpu_slots_drop_clean_copies_but_never_a_draining_one():
     table = BlockTable()
     pool = SlabAllocator(2 * SLOT, 2 * SLOT)
-    disk = DiskPlacement(table, make_policy("lru"), _cfg(), lambda: 0)
+    disk = DiskPlacement(table, make_policy("lru"), _cfg(), lambda: 0, stored_size)
     gpu = GpuPlacement(table, pool, make_policy("lru"), disk)
     only = table.add(Block(_fk(0), SLOT, gpu_off=gpu.alloc(SLOT), draining=True))
     clean = table.add(Block(_fk(1), SLOT, gpu_off=gpu.alloc(SLOT), host_off=0))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv.cache.block import Block
 from tierkv.cache.counters import TierCounters
@@ -25,8 +25,9 @@ from tierkv.cache.policy.placement import Placement
 from tierkv.cache.policy.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.core.errors import TierFull
-from tierkv.tiers.disk import stored_size
-from tierkv.tiers.host import SlabAllocator
+
+if TYPE_CHECKING:
+    from tierkv.tiers.host import SlabAllocator
 
 _CHAIN = object()  # HostPlacement.inserted: the block's own chain parent
 
@@ -34,22 +35,24 @@ _CHAIN = object()  # HostPlacement.inserted: the block's own chain parent
 class DiskPlacement:
     """The disk tier's bookkeeping: bytes used, its policy, and victims when a write needs room."""
 
-    def __init__(self, table: BlockTable, policy: Policy, cfg: Any, capacity: Callable[[], int]) -> None:
+    def __init__(self, table: BlockTable, policy: Policy, cfg: Any, capacity: Callable[[], int],
+                 stored_size: Callable[[int], int]) -> None:
         self.table, self.policy, self.cfg = table, policy, cfg
         self.capacity = capacity   # the disk tier's capacity (``tune disk.capacity`` changes it)
+        self.stored_size = stored_size  # bytes a value of n bytes takes in the tier (its page rounding)
         self.used = 0
         self.stats = TierCounters()
 
     def added(self, b: Block) -> None:
         """``b``'s value reached disk (its ``disk_bytes`` set)."""
-        self.used += stored_size(b.disk_bytes)
+        self.used += self.stored_size(b.disk_bytes)
         self.stats.bytes_logical += b.nbytes
         self.stats.bytes_stored += b.disk_bytes
-        self.policy.on_insert(b.fk, stored_size(b.disk_bytes), b.parent)
+        self.policy.on_insert(b.fk, self.stored_size(b.disk_bytes), b.parent)
 
     def removed(self, b: Block) -> None:
         """``b``'s value is gone from disk (or about to be deleted)."""
-        self.used -= stored_size(b.disk_bytes)
+        self.used -= self.stored_size(b.disk_bytes)
         self.stats.bytes_logical -= b.nbytes
         self.stats.bytes_stored -= b.disk_bytes
         self.policy.on_remove(b.fk)

@@ -34,6 +34,7 @@ from tierkv.daemon.startup import make_policy, open_tiers
 from tierkv.daemon.storepath import StorePath
 from tierkv.daemon.transfers import Transfers
 from tierkv.movers.transfer import TransferEngine
+from tierkv.tiers.disk import stored_size
 from tierkv.tiers.host import slot_size_for
 
 HISTORY_ENTRIES = 1 << 16
@@ -60,7 +61,7 @@ class BlockStore:
         self.admission = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
                                    ghost_entries=HISTORY_ENTRIES // 2)
         self.diskp = DiskPlacement(self.table, make_policy(cfg.disk.policy, cfg, self.history), cfg,
-                                   lambda: self.disk.capacity if self.disk is not None else 0)
+                                   lambda: self.disk.capacity if self.disk is not None else 0, stored_size)
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
                                      budgets={"host<->disk": cfg.budget.host_disk or None,

@@ -57,7 +57,7 @@ def _local_tiers(st: BlockStore) -> dict[str, dict]:
         tiers["gpu"] = tier_snapshot(st.gpup.stats, capacity=g.capacity, used=g.used_bytes, blocks=len(gpu_blocks),
                                      kind=g.kind, device=g.device, fragmentation=round(g.fragmentation(gpu_live), 4),
                                      draining=sum(1 for b in gpu_blocks if b.draining),
-                                     host_pinned=bool(st.engine._registered), policy=st.gpup.policy.name)
+                                     host_pinned=st.engine.host_pinned, policy=st.gpup.policy.name)
         tiers["gpu"]["bytes_logical"] = gpu_live
         tiers["gpu"]["bytes_stored"] = g.used_bytes
     tiers["host"] = tier_snapshot(hp.stats, capacity=host.capacity, used=host.used_bytes, blocks=len(host_blocks),

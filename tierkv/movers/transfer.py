@@ -122,9 +122,9 @@ class TransferEngine:
         return None if self._device is None else self._device.pool
 
     @property
-    def _registered(self) -> int:
-        """The host pool address registered as pinned memory (0: none); the server's stats read it."""
-        return 0 if self._device is None else self._device.registered
+    def host_pinned(self) -> bool:
+        """Whether the host pool is registered as pinned memory (``cudaHostRegister``)."""
+        return self._device is not None and bool(self._device.registered)
 
     # ---- routes ------------------------------------------------------------------------------------
     def store(self, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:

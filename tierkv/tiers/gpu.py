@@ -102,61 +102,6 @@ class DevicePool(SlabAllocator):
             self.fd = -1
 
 
-class ClientDevicePool:
-    """A client's mapping of the daemon's GPU pool: device views of slots by offset."""
-
-    def __init__(self, desc: dict, fd: int | None) -> None:
-        import mmap
-
-        import torch
-
-        self.kind = str(desc.get("kind"))
-        self.index = int(desc.get("device", 0))
-        self.nbytes = int(desc.get("bytes", 0))
-        self._ptr = 0
-        self._mm = None
-        if self.kind == "cuda":
-            from tierkv.core import cuda
-
-            if fd is not None:
-                os.close(fd)
-            self._ptr = cuda.ipc_open(bytes(desc["handle"]), self.index)
-            self.tensor = cuda.device_tensor(self._ptr, self.nbytes, self.index)
-        elif self.kind == "standin":
-            if fd is None:
-                raise ValueError("the daemon did not pass the GPU stand-in pool")
-            try:
-                self._mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                     mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
-        else:
-            raise ValueError(f"unknown GPU pool kind {self.kind!r}")
-
-    @property
-    def device(self) -> str:
-        """The torch device of the views."""
-        return f"cuda:{self.index}" if self.kind == "cuda" else "cpu"
-
-    def view(self, offset: int, nbytes: int) -> Any:
-        """A flat uint8 view of a slot."""
-        return self.tensor[offset:offset + nbytes]
-
-    def close(self) -> None:
-        """Unmap the pool (views taken earlier must not be used afterwards)."""
-        import torch
-
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-        if self._ptr:
-            from tierkv.core import cuda
-
-            torch.cuda.synchronize(self.index)
-            cuda.ipc_close(self._ptr, self.index)
-            self._ptr = 0
-        self._mm = _unmap(self._mm)
-
-
 def _unmap(mm: Any) -> None:
     """Close a stand-in pool's mapping; returns None for the caller to store."""
     if mm is not None:
