@@ -94,3 +94,11 @@ def test_paths_into_the_repository_resolve():
 
     assert mainjob.CONFIG.is_file(), mainjob.CONFIG
     assert replay_cli.DEFAULT_CONFIG.is_file(), replay_cli.DEFAULT_CONFIG
+
+
+def test_the_cli_and_the_daemon_start_without_torch():
+    # torch costs over a second to import: a CLI call or a daemon start must not wait for it.
+    code = ("import sys, tierkv.ops.cli, tierkv.client.admin, tierkv.daemon.server; "
+            "sys.exit('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr or "torch was imported"

@@ -6,6 +6,15 @@ pools; :mod:`~tierkv.client.copies` the host copies; :mod:`~tierkv.client.durabl
 streamed durable put; :mod:`~tierkv.client.admin` one control request without a namespace.
 """
 
-from tierkv.client.client import Client, Lease, Slots
+from typing import Any
 
 __all__ = ["Client", "Lease", "Slots"]
+
+
+def __getattr__(name: str) -> Any:
+    # The Client loads torch; the admin client (the CLI, the daemon's own start-up) must not pay for it.
+    if name in __all__:
+        from tierkv.client import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

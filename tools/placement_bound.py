@@ -1,0 +1,96 @@
+"""How far a class-based online placement can go: the default with each block class's true return probability.
+
+Pass 1 replays the default placement (``configs/default.toml``) over host + disk and records, for every
+host victim the disk rule weighs, its reuse-model class and whether the trace uses it again later.
+Pass 2 replays the same stack with each class's measured return probability in place of the learned
+one: as the disk policy's reuse factor (``--on disk``), in the admission rule (``--on admission``) or
+both. The order of future requests is never used, so the result bounds what a perfectly trained
+class-based policy reaches, beside OPT.
+
+    python tools/placement_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 2% --disk 30%
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+from collections import defaultdict
+from pathlib import Path
+
+from tierkv.ops.replay_cli import daemon_config, tiers_for
+from tierkv.sim.config import ReplayConfig, TierSpec
+from tierkv.sim.simulator import Simulator
+from tierkv.sim.trace import load_trace
+from tierkv.sim.workload import Workload
+
+
+def future_uses(w: Workload) -> dict:
+    """Each page's use times, sorted."""
+    uses: dict = defaultdict(list)
+    for req, pages in zip(w.requests, w.pages):
+        for p in pages:
+            uses[p].append(req.timestamp_s)
+    return uses
+
+
+def simulator(w: Workload, host: str, disk: str) -> Simulator:
+    """The default placement over host + disk, modelled as ``tierkv replay`` models it."""
+    tiers = [TierSpec("host", host, read_bytes_per_s=25e9),
+             TierSpec("disk", disk, read_bytes_per_s=5e9, latency_s=1e-4, compression=1.4, inclusive=True,
+                      write_bytes_per_s=2e9)]
+    return Simulator(w, "default", tiers_for("default", ReplayConfig(tiers=tiers), daemon_config(None), "all"))
+
+
+def class_rates(w: Workload, host: str, disk: str, uses: dict) -> tuple[float, dict]:
+    """Pass 1: the default's hit rate, and each class's fraction of victims used again later."""
+    sim = simulator(w, host, disk)
+    model = sim.rules[1].model
+    back: dict = defaultdict(int)
+    seen: dict = defaultdict(int)
+    weigh = model.left
+
+    def left(key, now, horizon=None):
+        c = model.block_class(key, now)
+        u = uses[key]
+        seen[c] += 1
+        back[c] += bisect.bisect_right(u, now) < len(u)
+        return weigh(key, now, horizon)
+
+    model.left = left
+    r = sim.run(host)
+    return r.token_hit_rate, {c: back[c] / seen[c] for c in seen}
+
+
+def with_true_rates(w: Workload, host: str, disk: str, rates: dict, on: str) -> tuple[float, int]:
+    """Pass 2: the default with the measured class rates in place of the learned ones."""
+    sim = simulator(w, host, disk)
+    model = sim.rules[1].model
+
+    def p(key, now):
+        return rates.get(model.block_class(key, now), 0.5)
+
+    if on in ("admission", "both"):
+        model.p = p
+    if on in ("disk", "both"):
+        sim.policies[1].reuse = lambda key: p(key, sim.clock())
+    r = sim.run(host)
+    return r.token_hit_rate, r.disk_writes_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--host", default="2%")
+    ap.add_argument("--disk", default="30%")
+    ap.add_argument("--on", choices=("disk", "admission", "both"), default="disk")
+    args = ap.parse_args()
+    w = Workload(load_trace(args.trace), 512, 512)
+    uses = future_uses(w)
+    base, rates = class_rates(w, args.host, args.disk, uses)
+    bound, written = with_true_rates(w, args.host, args.disk, rates, args.on)
+    print(f"default, host {args.host} + disk {args.disk}: {base * 100:.2f}% of tokens")
+    print(f"true class probabilities ({args.on}): {bound * 100:.2f}%, {written / 2**40:.2f} TiB written")
+
+
+if __name__ == "__main__":
+    main()
