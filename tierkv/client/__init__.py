@@ -8,7 +8,7 @@ streamed durable put; :mod:`~tierkv.client.admin` one control request without a 
 
 from typing import Any
 
-__all__ = ["Client", "Lease", "Slots"]
+__all__ = ["Client", "Lease", "Slots"]  # noqa: F822 - loaded on first use (torch)
 
 
 def __getattr__(name: str) -> Any:
