@@ -324,7 +324,7 @@ def run_sections(args: argparse.Namespace, skip: set[str], base: Path, blocks: t
         out["c"] = c
         print(f"(c) compute loop: alone {c['alone']:.1f} it/s; with unlimited offload {c['unlimited']:.1f} "
               f"({-unl_loss:+.0%}, link {c['unlimited_link_bytes_per_s'] / 1e6:.0f} MB/s); with budget "
-              f"{c['cap_bytes_per_s'] / 1e6:.0f} MB/s {c['budget']:.1f} (-{bud_loss:.0%}, link "
+              f"{c['cap_bytes_per_s'] / 1e6:.0f} MB/s {c['budget']:.1f} ({-bud_loss:+.0%}, link "
               f"{c['budget_link_bytes_per_s'] / 1e6:.0f} MB/s = {c['link_vs_cap']:.2f}x the cap; the cap is "
               f"{share:.0%} of the unlimited rate)", flush=True)
     if "d" not in skip:
