@@ -4,10 +4,12 @@ Pass 1 replays the default placement (``configs/default.toml``) over host + disk
 host victim the disk rule weighs, its reuse-model class and whether the trace uses it again later.
 Pass 2 replays the same stack with each class's measured return probability in place of the learned
 one: as the disk policy's reuse factor (``--on disk``), in the admission rule (``--on admission``) or
-both. The order of future requests is never used, so the result bounds what a perfectly trained
+both. With ``--disk 0`` the stack is the host tier alone and ``--on host`` replaces the host policy's
+learned reuse factor (the classes of the blocks it evicts) instead. The order of future requests is never used, so the result bounds what a perfectly trained
 class-based policy reaches, beside OPT.
 
     python tools/placement_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 2% --disk 30%
+    python tools/placement_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 10% --disk 0 --on host --within 60
 """
 
 from __future__ import annotations
@@ -34,17 +36,20 @@ def future_uses(w: Workload) -> dict:
 
 
 def simulator(w: Workload, host: str, disk: str) -> Simulator:
-    """The default placement over host + disk, modelled as ``tierkv replay`` models it."""
-    tiers = [TierSpec("host", host, read_bytes_per_s=25e9),
-             TierSpec("disk", disk, read_bytes_per_s=5e9, latency_s=1e-4, compression=1.4, inclusive=True,
-                      write_bytes_per_s=2e9)]
+    """The default placement over host + disk (host alone for ``disk == "0"``), modelled as ``tierkv
+    replay`` models it."""
+    tiers = [TierSpec("host", host, read_bytes_per_s=25e9)]
+    if disk != "0":
+        tiers.append(TierSpec("disk", disk, read_bytes_per_s=5e9, latency_s=1e-4, compression=1.4,
+                              inclusive=True, write_bytes_per_s=2e9))
     return Simulator(w, "default", tiers_for("default", ReplayConfig(tiers=tiers), daemon_config(None), "all"))
 
 
-def class_rates(w: Workload, host: str, disk: str, uses: dict) -> tuple[float, dict]:
-    """Pass 1: the default's hit rate, and each class's fraction of victims used again later."""
+def class_rates(w: Workload, host: str, disk: str, uses: dict, within: float = 0.0) -> tuple[float, dict]:
+    """Pass 1: the default's hit rate, and each class's fraction of victims used again later (within
+    ``within`` seconds when it is > 0)."""
     sim = simulator(w, host, disk)
-    model = sim.rules[1].model
+    model = sim.host_reuse if disk == "0" else sim.rules[1].model
     back: dict = defaultdict(int)
     seen: dict = defaultdict(int)
     weigh = model.left
@@ -53,7 +58,8 @@ def class_rates(w: Workload, host: str, disk: str, uses: dict) -> tuple[float, d
         c = model.block_class(key, now)
         u = uses[key]
         seen[c] += 1
-        back[c] += bisect.bisect_right(u, now) < len(u)
+        i = bisect.bisect_right(u, now)
+        back[c] += i < len(u) and (within <= 0 or u[i] - now <= within)
         return weigh(key, now, horizon)
 
     model.left = left
@@ -64,7 +70,7 @@ def class_rates(w: Workload, host: str, disk: str, uses: dict) -> tuple[float, d
 def with_true_rates(w: Workload, host: str, disk: str, rates: dict, on: str) -> tuple[float, int]:
     """Pass 2: the default with the measured class rates in place of the learned ones."""
     sim = simulator(w, host, disk)
-    model = sim.rules[1].model
+    model = sim.host_reuse if disk == "0" else sim.rules[1].model
 
     def p(key, now):
         return rates.get(model.block_class(key, now), 0.5)
@@ -73,6 +79,8 @@ def with_true_rates(w: Workload, host: str, disk: str, rates: dict, on: str) -> 
         model.p = p
     if on in ("disk", "both"):
         sim.policies[1].reuse = lambda key: p(key, sim.clock())
+    if on == "host":
+        sim.policies[0].reuse = lambda key: p(key, sim.clock())
     r = sim.run(host)
     return r.token_hit_rate, r.disk_writes_bytes
 
@@ -82,13 +90,18 @@ def main() -> None:
     ap.add_argument("trace", type=Path)
     ap.add_argument("--host", default="2%")
     ap.add_argument("--disk", default="30%")
-    ap.add_argument("--on", choices=("disk", "admission", "both"), default="disk")
+    ap.add_argument("--on", choices=("disk", "admission", "both", "host"), default="disk")
+    ap.add_argument("--within", type=float, default=0.0,
+                    help="count a victim as used again only within this many seconds (0: any time later)")
     args = ap.parse_args()
+    if (args.disk == "0") != (args.on == "host"):
+        ap.error("--on host goes with --disk 0 (the host tier alone), the other modes need a disk tier")
     w = Workload(load_trace(args.trace), 512, 512)
     uses = future_uses(w)
-    base, rates = class_rates(w, args.host, args.disk, uses)
+    base, rates = class_rates(w, args.host, args.disk, uses, args.within)
     bound, written = with_true_rates(w, args.host, args.disk, rates, args.on)
-    print(f"default, host {args.host} + disk {args.disk}: {base * 100:.2f}% of tokens")
+    stack = f"host {args.host}" + (f" + disk {args.disk}" if args.disk != "0" else "")
+    print(f"default, {stack}: {base * 100:.2f}% of tokens")
     print(f"true class probabilities ({args.on}): {bound * 100:.2f}%, {written / 2**40:.2f} TiB written")
 
 
