@@ -124,6 +124,31 @@ def test_fetch_names_the_gpu_for_a_block_still_draining_from_it(make_table):
     t.release(s, [lease])
 
 
+def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_table):
+    t = make_table(gpu=True, capacity=2 << 20)
+    s = _session(t)
+    t.gpu_path.retry_drains = lambda: None  # only the lease may drain the blocks
+    fill = _keys(t.host.capacity // BLOCK, start=1000)
+    _put(t, s, fill)
+    held, _, _ = t.acquire(s, fill)  # every host slot leased: the drain below finds none
+    keys = _keys(4)
+    offs = t.alloc(s, 4, keys, "gpu")
+    data = [_fill(t.gpu.view(off, BLOCK), i) for i, off in enumerate(offs)]
+    assert t.commit(s, keys, offs, tier="gpu") == 4
+    assert all(t.table.get(s.fp + k).draining and t.table.get(s.fp + k).host_off is None for k in keys)
+    t.release(s, [held])
+    got, tiers = _get(t, s, keys)
+    assert tiers == ["gpu"] * 4, "the lease copies the waiting blocks down instead of ending the prefix"
+    assert got == data
+    blocks = [t.table.get(s.fp + k) for k in keys]
+    assert not any(b.draining for b in blocks)
+    slots = [b.host_off for b in blocks]
+    del t.gpu_path.retry_drains
+    t.gpu_path.retry_drains()  # the queued drains are done already: no second host copy
+    assert [b.host_off for b in blocks] == slots
+    assert _get(t, s, keys)[0] == data
+
+
 def test_store_lookup_and_dedup(make_table):
     t = make_table()
     s = _session(t)

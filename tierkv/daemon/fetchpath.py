@@ -91,8 +91,10 @@ class FetchPath:
             loads.append(b)
             st.hostp.stats.misses += 1
             return "disk"
-        if b.gpu_off is not None and b.gpu_loading is None and not b.draining:
-            try:  # only on the GPU (its host copy was dropped unwritten): copy it back down
+        if b.gpu_off is not None and b.gpu_loading is None:
+            # only on the GPU: its host copy was dropped unwritten, or its drain found no host slot and
+            # waits for a retry; a lease may wait for room, so it copies the block down now
+            try:
                 b.host_off = st.host_slot(slot)
             except TierFull:
                 return None

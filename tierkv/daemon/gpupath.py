@@ -51,8 +51,8 @@ class GpuPath:
         st = self.st
         started: list[Block] = []
         for i, b in enumerate(blocks):
-            if b.fk not in st.table or b.gpu_off is None or not b.draining:
-                continue  # deleted meanwhile
+            if b.fk not in st.table or b.gpu_off is None or not b.draining or b.host_off is not None:
+                continue  # deleted meanwhile, or a lease is already copying it down
             try:
                 b.host_off = st.host_slot(slot_size_for(b.nbytes), wait=False)
             except TierFull:
