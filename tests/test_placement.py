@@ -14,12 +14,15 @@ from click.testing import CliRunner
 import tierkv
 from tierkv.cache.policy.placement import Placement
 from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
+from tierkv.core.keys import Namespace
+from tierkv.core.protocol import Op
 from tierkv.daemon.config import Config
 from tierkv.ops.replay_cli import replay as replay_cmd
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
 
-from .helpers import PAGE, REPO, keys_for, line, rand_blocks, wait_for
+from .helpers import PAGE, REPO, SMALL, RawClient, keys_for, line, rand_blocks, wait_for
 
 MIB_LAYOUT = tierkv.Layout(8, 8, 128, 32, "bfloat16")  # 1 MiB blocks
 
@@ -70,6 +73,30 @@ def test_request_finished_reaches_the_placement_rule(daemon):
         assert c.request_finished([]) == 0
 
 
+def test_request_finished_carries_the_generated_token_count(daemon):
+    with daemon.client() as c:
+        keys = keys_for(c, 4, seed=19)
+        c.put(keys, rand_blocks(4, seed=19))
+        assert c.request_finished(keys, output_tokens=12) == 4
+        assert c.request_finished(keys) == 4  # the count is optional
+        for st in (c.stats()["tiers"]["disk"]["placement"], c.stats()["tiers"]["host"]["reuse"]):
+            assert st["finished_requests"] == 2 and st["finished_with_output_tokens"] == 1
+        for bad in (-1, 1.5, True, "12"):
+            with pytest.raises(ValueError):
+                c.request_finished(keys, output_tokens=bad)
+    rc = RawClient(daemon.socket)
+    try:
+        assert rc.hello(Namespace("tierkv-test", SMALL))[0] == protocol.STATUS_OK
+        for bad in (-1, 1.5, True, "12", [3]):
+            status, reply = rc.call(Op.REQUEST_FINISHED, {"keys": [b"k" * 8], "output_tokens": bad})
+            assert status != protocol.STATUS_OK and "output_tokens" in str(reply)
+        assert rc.ok(Op.REQUEST_FINISHED, {"keys": [b"k" * 8], "output_tokens": 0})["cached"] == 0
+    finally:
+        rc.close()
+    with daemon.client() as c:  # nothing stored was touched by the bad requests
+        assert c.lookup(keys) == 4
+
+
 def test_durable_puts_are_written_whatever_the_rule(daemon_factory):
     d = daemon_factory(env={"TIERKV_DISK_ADMISSION": "pinned"})
     with d.client() as c:
@@ -107,6 +134,52 @@ def test_rule_learns_that_finished_tails_come_back():
     assert rule.wants(tail[-1], now)
     assert rule.wants(("once", 1000), now, spare=True)  # spare write bandwidth: every victim goes
     assert rule.wants(("once", 1001), now, pinned=True)
+
+
+def test_rule_learns_which_output_lengths_come_back():
+    """Documents asked about with a short answer are sent again, long generations are not: once the
+    ghost list has seen both, a new block is written under pressure only for the short kind."""
+    rule = Placement("predicted", ghost_entries=64, write_s=0.03)
+    now = 0.0
+    for i in range(150):
+        for kind, out in (("short", 8), ("long", 900)):
+            chain = [(kind, i, j) for j in range(4)]
+            rule.requested(chain, now)
+            rule.request_finished(chain, now, out)
+            for key in chain:
+                rule.admit(key, now)
+            if kind == "short" and i % 4:  # most short-answer documents are sent again
+                rule.requested(chain, now + 0.5)
+            now += 1.0
+    fresh = {}
+    for kind, out in (("short", 8), ("long", 900)):
+        fresh[kind] = chain = [(kind, "new", j) for j in range(4)]
+        rule.requested(chain, now)
+        rule.request_finished(chain, now, out)
+    assert rule.wants(fresh["short"][1], now) and not rule.wants(fresh["long"][1], now)
+    assert rule.model.class_p(rule.model.block_class(fresh["short"][1], now)) > 0.5
+
+
+def test_reuse_model_output_classes():
+    m = ReuseModel()
+    for name, out in (("a", 10), ("b", 500), ("c", None)):
+        m.requested([(name, 0), (name, 1)], 0.0)
+        m.request_finished([(name, 0), (name, 1)], 0.0, out)
+    classes = {name: m.block_class((name, 0), 1.0) for name in "abc"}
+    assert len(set(classes.values())) == 3  # short, long, not said
+    off = ReuseModel(output_edges="")
+    for name, out in (("a", 10), ("b", 500)):
+        off.requested([(name, 0), (name, 1)], 0.0)
+        off.request_finished([(name, 0), (name, 1)], 0.0, out)
+    assert off.block_class(("a", 0), 1.0) == off.block_class(("b", 0), 1.0)
+    assert off.snapshot()["finished_with_output_tokens"] == 2
+    for bad in ("abc", "128,32", "0", "-4", "32,32", "1,2,3,4,5,6,7"):
+        with pytest.raises(ValueError, match="output_edges"):
+            ReuseModel(output_edges=bad)
+    m.update(output_edges="64")
+    with pytest.raises(ValueError):
+        m.update(output_edges="x")
+    assert m.settings()["output_edges"] == "64"  # a bad update changes nothing
 
 
 def test_reuse_model_tails_extension_and_bounds():

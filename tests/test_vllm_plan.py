@@ -30,6 +30,7 @@ class Req:
     request_id: str
     all_token_ids: list[int]
     cache_salt: str | None = None
+    num_output_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -131,8 +132,12 @@ def test_decode_stores_each_block_as_it_fills_and_a_resumed_request_gets_new_blo
     req.all_token_ids.extend(range(BT))  # preempted, resumed on other blocks: nothing stored twice
     step = Step([], Cached(["d"], {"d"}, [([8, 9, 10],)], [3 * BT - 1]), {"d": 1})
     assert [io.block_ids for io in planner.step(step).stores] == [[10]]
+    req.num_output_tokens = 2 * BT
     assert planner.finished(req) == chain_keys(Namespace("vllm-plan", LAYOUT).fingerprint, req.all_token_ids, BT)
     assert len(planner) == 0
+    # the daemon is told how many tokens the request generated
+    placement = link(daemon).call(lambda c: c.stats())["tiers"]["disk"]["placement"]
+    assert placement["finished_with_output_tokens"] == 1
 
 
 def test_missing_blocks_are_load_errors_never_wrong_data(daemon):

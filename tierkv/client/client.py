@@ -218,11 +218,18 @@ class Client(Connection):
         tier = self._pick_tier(tier, None)
         return int(self._call(Op.PREFETCH, {"keys": check_keys(keys), "tier": tier})["started"])
 
-    def request_finished(self, keys: Sequence[bytes]) -> int:
+    def request_finished(self, keys: Sequence[bytes], output_tokens: int | None = None) -> int:
         """Tell the daemon a request finished: ``keys`` (its chained block keys, prompt and output, in
         order) are a conversation tail the next turn may extend, so the daemon keeps them (writes them
-        to disk when they leave host memory). Returns how many of the keys are cached."""
-        return int(self._call(Op.REQUEST_FINISHED, {"keys": check_keys(keys)})["cached"])
+        to disk when they leave host memory). ``output_tokens``: how many tokens the request
+        generated; requests that generate little and those that generate much come back at different
+        rates, which the daemon learns. Returns how many of the keys are cached."""
+        body: dict = {"keys": check_keys(keys)}
+        if output_tokens is not None:
+            if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
+                raise ValueError(f"output_tokens must be an int >= 0, got {output_tokens!r}")
+            body["output_tokens"] = output_tokens
+        return int(self._call(Op.REQUEST_FINISHED, body)["cached"])
 
     def lookup_plan(self, keys: Sequence[bytes]) -> dict[str, Any]:
         """Per leading cached block: ``tiers``, ``ready`` (in host memory now), and ``fetch``: how many

@@ -54,13 +54,16 @@ class BlockStore:
         # One use history for both tiers (heat survives demotion), bounded so that a stream of
         # one-shot keys cannot grow the daemon's memory (~150 B a record).
         self.history = History(max_entries=HISTORY_ENTRIES)
-        # Which host blocks come back once they leave host memory (the host policy's reuse term).
-        self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES)
+        # Which host blocks come back once they leave host memory (the host policy's reuse term). The
+        # host policy scores a block while its request runs, before the generated-token count is
+        # known, so that count is not one of its classes.
+        self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES, output_edges="")
         # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
         # history: the policies count uses with decay, admission counts each request once.
         self.admission = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
                                    ghost_entries=HISTORY_ENTRIES // 2)
-        self.diskp = DiskPlacement(self.table, make_policy(cfg.disk.policy, cfg, self.history), cfg,
+        disk_reuse = self.admission.model if cfg.disk.admission == "predicted" else None
+        self.diskp = DiskPlacement(self.table, make_policy(cfg.disk.policy, cfg, self.history, disk_reuse), cfg,
                                    lambda: self.disk.capacity if self.disk is not None else 0, stored_size)
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
@@ -288,14 +291,15 @@ class BlockStore:
                     self.diskp.policy.on_touch(b.fk, mass)
         return found
 
-    def request_finished(self, s: Session, keys: list[bytes]) -> int:
-        """The engine finished a request whose prompt and output chain is ``keys``: a conversation tail
-        its next turn may extend. Returns how many of the keys are cached."""
+    def request_finished(self, s: Session, keys: list[bytes], output_tokens: int | None = None) -> int:
+        """The engine finished a request whose prompt and output chain is ``keys`` (``output_tokens``
+        generated, if it says): a conversation tail its next turn may extend. Returns how many of the
+        keys are cached."""
         fks = [s.fp + k for k in keys]
         with self.lock:
             now = time.monotonic()
-            self.host_reuse.request_finished(fks, now)
-            self.admission.request_finished(fks, now)
+            self.host_reuse.request_finished(fks, now, output_tokens)
+            self.admission.request_finished(fks, now, output_tokens)
             return sum(1 for fk in fks if fk in self.table)
 
     def delete(self, s: Session, keys: list[bytes]) -> int:

@@ -152,8 +152,13 @@ class Handlers:
         return {"deleted": self.store.delete(s, validate_keys(body.get("keys")))}
 
     def request_finished(self, conn: socket.socket, s: Session, body: dict) -> dict:
-        """The engine finished a request: a chain its next turn may extend."""
-        return {"cached": self.store.request_finished(s, validate_keys(body.get("keys")))}
+        """The engine finished a request: a chain its next turn may extend (``output_tokens``: how
+        many tokens it generated, optional)."""
+        keys = validate_keys(body.get("keys"))
+        out = body.get("output_tokens")
+        if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 0):
+            raise BadRequest(f"output_tokens must be an int >= 0 or absent, got {out!r}")
+        return {"cached": self.store.request_finished(s, keys, out)}
 
     def touch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Attention mass per block for the policies."""

@@ -61,7 +61,8 @@ def open_tiers(cfg: Config, data_dir: str) -> Tiers:
 
 def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | None = None) -> Policy:
     """A tier's policy with the configured weights, sharing the store's history where it keeps one;
-    with ``reuse`` (the host tier) it also weighs blocks by the learned chance that they come back."""
+    with ``reuse`` it also weighs blocks by the learned chance that they come back (the host tier by
+    its own model, the disk tier by the admission rule's)."""
     kwargs = cfg.policy_settings(name)
     params = inspect.signature(policy_class(name)).parameters
     if "history" in params:

@@ -13,7 +13,8 @@ The model, per request in timestamp order:
 4. Time to first token: ``max(recompute time of the missed tokens, load time of the hit bytes)``
    (loads overlap layer-wise with compute); recompute cost per token grows with its position.
 5. The request finishes: its pages are a chain tail until a later request extends the chain (the
-   engine's ``request_finished`` signal, fed to the same reuse models as in the daemon).
+   engine's ``request_finished`` signal with the trace's output length, fed to the same reuse models
+   as in the daemon).
 
 Every policy object is built with :func:`tierkv.cache.policy.make_policy`, driven by the trace clock.
 """
@@ -71,7 +72,7 @@ class Simulator:
         names = [t.policy or policy for t in config.tiers]
         # the first tier's attention policy weighs blocks by their learned chance of a return, as
         # the daemon's host tier does
-        self.host_reuse = ReuseModel(max_records=max(1 << 16, 4 * workload.unique_pages)) \
+        self.host_reuse = ReuseModel(max_records=max(1 << 16, 4 * workload.unique_pages), output_edges="") \
             if names[0] in ("attention", "adaptive") else None
         if "default" in names:
             raise ValueError("policy 'default' needs each tier's policy (TierSpec.policy; the CLI reads "
@@ -82,6 +83,10 @@ class Simulator:
         self._hit_tok = 0
         self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
         self._signals: list[Any] = [r for r in self.rules if r is not None]
+        for tier, rule in enumerate(self.rules):  # a colder tier weighs blocks by its admission rule's model
+            pol = self.policies[tier]
+            if rule is not None and rule.mode == "predicted" and isinstance(pol, AttentionPolicy):
+                pol.reuse = rule.model.predictor(self.clock)
         if self.host_reuse is not None:
             self._signals.append(self.host_reuse)
         modes = [t.admission_mode for t in config.tiers[1:]]
@@ -168,7 +173,7 @@ class Simulator:
             ttft.append(max(compute, self._load_seconds(load_b)))
             ttft_ref.append(prefill_seconds(0, req.input_tokens, rate, dbl))
             for rule in self._signals:
-                rule.request_finished(pages, clock.now)
+                rule.request_finished(pages, clock.now, req.output_tokens if req.output_given else None)
         total = max(total_tokens, 1)
         label = capacity_label if capacity_label is not None else str(tiers[0].capacity)
         return ReplayResult(

@@ -22,12 +22,14 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request of a trace: arrival, prompt and output sizes, and its prompt block ids."""
+    """One request of a trace: arrival, prompt and output sizes, and its prompt block ids
+    (``output_given``: the line has an ``output_length``; without one ``output_tokens`` is 0)."""
 
     timestamp_s: float
     input_tokens: int
     output_tokens: int
     blocks: tuple[int, ...]
+    output_given: bool = True
 
 
 def _check_int(obj: dict, key: str, where: str, *, required: bool = True) -> int:
@@ -80,7 +82,7 @@ def parse_trace(lines: Iterable[str], name: str = "trace") -> list[Request]:
             if i is None:
                 i = ids[h] = len(ids)
             blocks.append(i)
-        out.append(Request(ts / 1000.0, n_in, n_out, tuple(blocks)))
+        out.append(Request(ts / 1000.0, n_in, n_out, tuple(blocks), obj.get("output_length") is not None))
     return out
 
 

@@ -62,9 +62,9 @@ class Placement:
         """A request named ``keys`` (its prefix chain, in order); see :meth:`ReuseModel.requested`."""
         self.model.requested(keys, now)
 
-    def request_finished(self, keys: Sequence[Hashable], now: float) -> None:
+    def request_finished(self, keys: Sequence[Hashable], now: float, output_tokens: int | None = None) -> None:
         """A request finished; ``keys`` are a conversation tail that may be extended."""
-        self.model.request_finished(keys, now)
+        self.model.request_finished(keys, now, output_tokens)
 
     def stored(self, keys: Sequence[Hashable], now: float) -> None:
         """``keys`` (a chain) were stored; see :meth:`ReuseModel.stored`."""

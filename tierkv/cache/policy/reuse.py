@@ -10,7 +10,10 @@ class is ``(returns + 2 * prior) / (returns + misses + 2)``. A class is
 - whether it is the tail of its chain (the last block of the request it was last seen in, which
   no later request has extended yet; ``request_finished`` marks a finished request's tail),
 - whether its chain is live (requested or finished within ``tail_ttl_s``),
-- the length of that chain (log2 buckets).
+- the length of that chain (log2 buckets),
+- how many tokens the request that chain came from generated (``output_edges`` buckets; 0 while it
+  is unknown: the request has not finished, or the engine did not say). The engine knows it once a
+  request finishes (``request_finished(..., output_tokens=n)``), before its blocks leave host memory.
 
 Plain code, no threads and no I/O. Keys are any hashable (the simulator's pages, the daemon's
 fingerprinted keys). The admission rule (:mod:`tierkv.cache.policy.placement`) and, through ``reuse``,
@@ -19,6 +22,7 @@ the attention policy use it.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -27,12 +31,27 @@ from tierkv.cache.policy.base import Setting, checked_settings
 
 
 class _Chain:
-    """The last request a block was seen in: its length, its tail, when it was last used."""
+    """The last request a block was seen in: its length, its tail, when it was last used, and the
+    bucket of the tokens it generated (0 until it finishes with a count)."""
 
-    __slots__ = ("length", "t", "tail")
+    __slots__ = ("length", "t", "tail", "out")
 
     def __init__(self, length: int, t: float, tail: Hashable | None) -> None:
-        self.length, self.t, self.tail = length, t, tail
+        self.length, self.t, self.tail, self.out = length, t, tail, 0
+
+
+def parse_edges(text: str) -> tuple[int, ...]:
+    """``"32,128"`` -> ``(32, 128)``: increasing token counts > 0; ``""`` -> ``()``. Bad text raises
+    ``ValueError``."""
+    try:
+        edges = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"output_edges: expected comma-separated token counts, got {text!r}") from None
+    if any(e <= 0 for e in edges) or list(edges) != sorted(set(edges)):
+        raise ValueError(f"output_edges: token counts must be > 0 and increasing, got {text!r}")
+    if len(edges) > 6:
+        raise ValueError(f"output_edges: at most 6 edges, got {len(edges)}")
+    return edges
 
 
 class _Rec:
@@ -57,6 +76,8 @@ class ReuseModel:
         "prior": Setting(0.5, "return probability assumed for a class not seen yet", min=0.0, max=1.0),
         "max_records": Setting(1 << 17, "blocks remembered (uses, chain), least recently used dropped first",
                                min=16),
+        "output_edges": Setting("32,128", "generated-token counts that split finished requests into "
+                                "classes (comma-separated; empty: not a class)"),
     }
 
     def __init__(self, **settings: Any) -> None:
@@ -68,6 +89,7 @@ class ReuseModel:
         self._gone: dict[int, float] = {}
         self.returns = 0
         self.finished = 0
+        self.finished_with_output = 0
 
     # -- signals --------------------------------------------------------------------------------
     def requested(self, keys: Sequence[Hashable], now: float) -> None:
@@ -90,8 +112,9 @@ class ReuseModel:
         self._returned(keys)
         self._trim()
 
-    def request_finished(self, keys: Sequence[Hashable], now: float) -> None:
-        """``keys`` (a chain, in order) finished a request: a conversation tail that may be extended."""
+    def request_finished(self, keys: Sequence[Hashable], now: float, output_tokens: int | None = None) -> None:
+        """``keys`` (a chain, in order) finished a request: a conversation tail that may be extended.
+        ``output_tokens``: how many tokens the request generated, if the engine says."""
         if not keys:
             return
         self.finished += 1
@@ -100,6 +123,10 @@ class ReuseModel:
             self.requested(keys, now)
             r = self._rec[keys[-1]]
         r.chain.t, r.chain.tail = now, keys[-1]
+        if output_tokens is not None:
+            self.finished_with_output += 1
+            if self._edges:
+                r.chain.out = 1 + bisect.bisect_right(self._edges, output_tokens)
 
     def stored(self, keys: Sequence[Hashable], now: float) -> None:
         """``keys`` (a chain, in order) were stored: a use for those no request named; a key on the
@@ -142,7 +169,7 @@ class ReuseModel:
         uses, chain = min(r.uses, 3), r.chain
         live = now - chain.t <= self._settings["tail_ttl_s"]
         tail = chain.tail == key
-        return uses * 64 + (tail * 2 + live) * 8 + min(chain.length.bit_length(), 7)
+        return chain.out * 256 + uses * 64 + (tail * 2 + live) * 8 + min(chain.length.bit_length(), 7)
 
     def uses(self, key: Hashable) -> int:
         """How many requests and stores used ``key`` (0 if it is not remembered)."""
@@ -170,7 +197,8 @@ class ReuseModel:
     def snapshot(self) -> dict[str, Any]:
         """Counters and the learned classes."""
         classes = {str(c): round(self.class_p(c), 3) for c in sorted(set(self._back) | set(self._gone))}
-        return {"returns": self.returns, "finished_requests": self.finished, "ghost": len(self._ghost),
+        return {"returns": self.returns, "finished_requests": self.finished,
+                "finished_with_output_tokens": self.finished_with_output, "ghost": len(self._ghost),
                 "classes": classes}
 
     # -- settings -------------------------------------------------------------------------------
@@ -180,4 +208,6 @@ class ReuseModel:
 
     def update(self, **settings: Any) -> None:
         """Change settings; a bad key or value raises ``ValueError`` and changes nothing."""
-        self._settings = checked_settings(self.SETTINGS, self._settings, settings, "reuse model")
+        new = checked_settings(self.SETTINGS, self._settings, settings, "reuse model")
+        self._edges = parse_edges(new["output_edges"])
+        self._settings = new

@@ -155,12 +155,14 @@ class Planner:
 
     def finished(self, request: Any) -> list[bytes]:
         """Forget a finished request and tell the daemon its blocks are a conversation tail that a next
-        turn may extend; returns the keys of its stored blocks."""
+        turn may extend, with how many tokens it generated; returns the keys of its stored blocks."""
         st = self._reqs.pop(request.request_id, None)
         keys = [] if st is None else st.keys[:st.stored_blocks]
+        out = getattr(request, "num_output_tokens", None)
+        out = out if isinstance(out, int) and not isinstance(out, bool) and out >= 0 else None
         if keys:
             try:
-                self.link.call(lambda c: c.request_finished(keys))
+                self.link.call(lambda c: c.request_finished(keys, out))
             except TierKVError:  # a hint (an older daemon may not know it): losing it costs no request
                 pass
         return keys
