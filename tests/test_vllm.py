@@ -26,7 +26,7 @@ from tierkv.integrations.model import MODEL_ID, ensure_converted
 from tierkv.integrations.vllm.launch import VllmServer, connector_config
 from tierkv.integrations.vllm.plan import salt_root
 
-from .helpers import Daemon
+from .helpers import Daemon, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(900)]
 
@@ -112,6 +112,8 @@ def test_a_request_loads_its_prefix_from_tierkv_with_identical_output(stack):
         time.sleep(0.5)
     assert metric(stack.server, "vllm:tierkv_hit_tokens_total") >= again.cached_tokens
     assert metric(stack.server, "vllm:tierkv_stored_tokens_total") > 0
+    # the connector tells the daemon how many tokens each finished request generated
+    assert wait_for(lambda: stack.daemon.stats()["tiers"]["host"]["reuse"]["finished_with_output_tokens"] >= 2)
 
 
 def test_vllm_blocks_hold_the_models_keys_and_values_in_tierkv_layout(stack):
