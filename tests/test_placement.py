@@ -97,6 +97,34 @@ def test_request_finished_carries_the_generated_token_count(daemon):
         assert c.lookup(keys) == 4
 
 
+def test_learned_classes_survive_a_restart(daemon_factory):
+    """The reuse models' class counts are kept in the data directory: a restarted daemon starts with
+    what the last one learned; a damaged file is ignored and nothing stored is lost."""
+    d = daemon_factory(["--host-capacity", "4MiB", "--slab-bytes", "1MiB"])
+    with d.client() as c:  # 8 KiB blocks: 512 host slots; the first blocks leave host, then return
+        keys = keys_for(c, 700, seed=20)
+        for i in range(0, 700, 50):
+            c.put(keys[i:i + 50], rand_blocks(50, seed=20 + i))
+        c.request_finished(keys[:100], output_tokens=7)
+        c.get(keys[:60])
+        before = {t: c.stats()["tiers"][t] for t in ("host", "disk")}
+    learned = (before["host"]["reuse"]["classes"], before["disk"]["placement"]["classes"])
+    assert learned[0] and not before["host"]["reuse"]["restored_counts"]
+    d.restart()
+    with d.client() as c:
+        st = c.stats()["tiers"]
+        assert (st["host"]["reuse"]["classes"], st["disk"]["placement"]["classes"]) == learned
+        assert st["host"]["reuse"]["restored_counts"] and st["disk"]["placement"]["restored_counts"]
+        held = c.lookup(keys)
+    d.stop()
+    (d.workdir / "data" / "reuse-classes.msgpack").write_bytes(b"\xc1 not msgpack")
+    d.start()
+    with d.client() as c:
+        st = c.stats()["tiers"]
+        assert not st["host"]["reuse"]["restored_counts"] and st["host"]["reuse"]["classes"] == {}
+        assert c.lookup(keys) == held
+
+
 def test_durable_puts_are_written_whatever_the_rule(daemon_factory):
     d = daemon_factory(env={"TIERKV_DISK_ADMISSION": "pinned"})
     with d.client() as c:
@@ -158,6 +186,27 @@ def test_rule_learns_which_output_lengths_come_back():
         rule.request_finished(chain, now, out)
     assert rule.wants(fresh["short"][1], now) and not rule.wants(fresh["long"][1], now)
     assert rule.model.class_p(rule.model.block_class(fresh["short"][1], now)) > 0.5
+
+
+def test_reuse_model_counts_load_only_when_they_fit():
+    m = ReuseModel(ghost_entries=16)
+    for i in range(40):
+        m.requested([("k", i)], float(i))
+        m.left(("k", i), float(i))
+    m.requested([("k", 30), ("k", 31)], 50.0)  # two returns
+    saved = m.counts()
+    fresh = ReuseModel()
+    assert fresh.load_counts(saved) and fresh.restored
+    assert fresh.snapshot()["classes"] == m.snapshot()["classes"]
+    big = {**saved, "gone": {c: 1e9 for c in saved["gone"]}}
+    capped = ReuseModel()
+    assert capped.load_counts(big, keep=100.0)
+    assert all(n <= 100.0 for n in capped.counts()["gone"].values())  # old counts weigh at most 100
+    for bad in (None, [], {**saved, "version": 99}, {**saved, "output_edges": "64"},
+                {**saved, "back": {"x": 1}}, {**saved, "back": {1: -1}}, {**saved, "gone": {1: float("nan")}},
+                {**saved, "back": {99999: 1}}, {**saved, "gone": "many"}):
+        other = ReuseModel()
+        assert not other.load_counts(bad) and not other.restored and other.counts()["back"] == {}
 
 
 def test_reuse_model_output_classes():

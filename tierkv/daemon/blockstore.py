@@ -25,7 +25,7 @@ from tierkv.cache.policy.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace
-from tierkv.daemon import retention, scrub, snapshot, tuning
+from tierkv.daemon import learned, retention, scrub, snapshot, tuning
 from tierkv.daemon.config import Config
 from tierkv.daemon.evictor import Evictor
 from tierkv.daemon.fetchpath import FetchPath
@@ -62,6 +62,8 @@ class BlockStore:
         # history: the policies count uses with decay, admission counts each request once.
         self.admission = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
                                    ghost_entries=HISTORY_ENTRIES // 2)
+        self.data_dir = data_dir
+        learned.load(self.learned_models(), data_dir)
         disk_reuse = self.admission.model if cfg.disk.admission == "predicted" else None
         self.diskp = DiskPlacement(self.table, make_policy(cfg.disk.policy, cfg, self.history, disk_reuse), cfg,
                                    lambda: self.disk.capacity if self.disk is not None else 0, stored_size)
@@ -378,8 +380,15 @@ class BlockStore:
             j.wait(max(0.0, deadline - time.monotonic()))
         return sum(1 for j in jobs if j.done.is_set() and j.error is None for m in j.moves if m.ok)
 
+    def learned_models(self) -> dict[str, ReuseModel]:
+        """The reuse models whose class counts are kept across restarts."""
+        return {"host": self.host_reuse, "disk": self.admission.model}
+
     def close(self, timeout: float) -> None:
-        """Stop threads, finish in-flight writes, close LMDB and the pools."""
+        """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and
+        the pools."""
+        with self.lock:
+            learned.save(self.learned_models(), self.data_dir)
         self.closing = True
         self.evictor.stop()
         self.engine.close(timeout)

@@ -23,11 +23,30 @@ the attention policy use it.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from tierkv.cache.policy.base import Setting, checked_settings
+
+COUNTS_VERSION = 1  # the class encoding below; counts of another encoding are not loaded
+COUNTS_KEPT = 10_000.0
+_MAX_CLASS = 4096
+
+
+def _class_counts(obj: object) -> dict[int, float] | None:
+    """``{class: count}`` from loaded data, or None if it is not that."""
+    if not isinstance(obj, dict) or len(obj) > _MAX_CLASS:
+        return None
+    out: dict[int, float] = {}
+    for cls, n in obj.items():
+        if isinstance(cls, bool) or not isinstance(cls, int) or not 0 <= cls < _MAX_CLASS:
+            return None
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
+            return None
+        out[cls] = float(n)
+    return out
 
 
 class _Chain:
@@ -88,6 +107,7 @@ class ReuseModel:
         self._back: dict[int, float] = {}
         self._gone: dict[int, float] = {}
         self.returns = 0
+        self.restored = False
         self.finished = 0
         self.finished_with_output = 0
 
@@ -199,7 +219,33 @@ class ReuseModel:
         classes = {str(c): round(self.class_p(c), 3) for c in sorted(set(self._back) | set(self._gone))}
         return {"returns": self.returns, "finished_requests": self.finished,
                 "finished_with_output_tokens": self.finished_with_output, "ghost": len(self._ghost),
-                "classes": classes}
+                "restored_counts": self.restored, "classes": classes}
+
+    # -- the learned counts across restarts -----------------------------------------------------
+    def counts(self) -> dict[str, Any]:
+        """The learned class counts, for :meth:`load_counts` in a later run (plain msgpack-able data)."""
+        return {"version": COUNTS_VERSION, "output_edges": self._settings["output_edges"],
+                "back": dict(self._back), "gone": dict(self._gone)}
+
+    def load_counts(self, data: object, keep: float = COUNTS_KEPT) -> bool:
+        """Start from the counts :meth:`counts` gave in an earlier run, each class scaled to at most
+        ``keep`` departures so that this run's own ones soon weigh as much. Returns False, changing
+        nothing, when they do not fit: another format or other ``output_edges``, or malformed."""
+        if not isinstance(data, dict) or data.get("version") != COUNTS_VERSION \
+                or data.get("output_edges") != self._settings["output_edges"]:
+            return False
+        parsed = [_class_counts(data.get(name)) for name in ("back", "gone")]
+        if parsed[0] is None or parsed[1] is None:
+            return False
+        back, gone = parsed
+        for cls in set(back) | set(gone):
+            total = back.get(cls, 0.0) + gone.get(cls, 0.0)
+            if total > keep:
+                scale = keep / total
+                back[cls] = back.get(cls, 0.0) * scale
+                gone[cls] = gone.get(cls, 0.0) * scale
+        self._back, self._gone, self.restored = back, gone, True
+        return True
 
     # -- settings -------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
