@@ -148,31 +148,6 @@ def test_attention_miss_cost_and_runtime_update():
     assert costly.victims(1) == ["y"]
 
 
-@pytest.mark.parametrize("name", ["attention", "adaptive"])
-def test_idle_half_life_halves_a_blocks_value_per_idle_period(name):
-    """With ``idle_half_life_s`` a block worth twice as much as another but idle one half-life longer
-    ties with it; idle longer, it goes first, whatever the evictions in between."""
-    clock = FakeClock()
-    pol = build(name, clock, idle_half_life_s=100.0, cost_fn=lambda k, s: 2.0 if k == "rich-old" else 1.0,
-                tails_first=False, freq_cap=1.0)
-    pol.on_insert("rich-old", 1)
-    clock.now += 150.0  # 1.5 half-lives later
-    pol.on_insert("poor-new", 1)
-    assert pol.victims(1) == ["rich-old"]  # 2 * 2^-1.5 < 1
-    pol.on_access("rich-old")  # used again: its value is whole
-    assert pol.victims(1) == ["poor-new"]
-    tie = pol.priority("rich-old") - pol.priority("poor-new")
-    assert tie == pytest.approx(1.0)  # twice the value: one half-life of lead
-    for i in range(50):  # evictions of other blocks do not reorder the survivors
-        pol.on_insert(("x", i), 1)
-        pol.on_remove(("x", i))
-    assert pol.victims(1) == ["poor-new"]
-    with pytest.raises(ValueError):
-        pol.update(idle_half_life_s=-1.0)
-    pol.update(idle_half_life_s=0.0)  # back to the GDSF aging clock
-    assert pol.victims(1) == ["poor-new"]
-
-
 def test_attention_shared_history_survives_demotion():
     clock, hist = FakeClock(), History()
     host = make_policy("attention", clock=clock, history=hist)

@@ -149,22 +149,6 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
     assert _get(t, s, keys)[0] == data
 
 
-def test_disk_policy_ages_by_idle_time_and_weighs_by_the_admission_model(make_table):
-    import dataclasses
-
-    from tierkv.daemon import tuning
-
-    t = make_table()
-    pol = t.diskp.policy
-    assert pol.settings()["idle_half_life_s"] == 180.0 and pol.reuse is None  # admission "all" here
-    new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, admission="predicted",
-                                                               idle_half_life_s=60.0))
-    tuning.apply(t, new, {"disk.admission", "disk.idle_half_life_s"})
-    assert t.diskp.policy is pol and pol.settings()["idle_half_life_s"] == 60.0
-    assert pol.reuse is not None  # the admission rule's model, as at start-up under "predicted"
-    assert pol.reuse(b"never seen") == t.admission.model.p(b"never seen", 0.0)
-
-
 def test_store_lookup_and_dedup(make_table):
     t = make_table()
     s = _session(t)

@@ -39,16 +39,6 @@ def test_tune_policy_and_config_cli(daemon):
     assert "host.policy = 'lru'  (tune)" in r.output
 
 
-def test_tune_disk_idle_half_life(daemon):
-    r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.idle_half_life_s=60"])
-    assert r.exit_code == 0, r.output
-    for bad in ("disk.idle_half_life_s=-1", "disk.idle_half_life_s=soon"):
-        r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, bad])
-        assert r.exit_code != 0 and "Traceback" not in r.output
-    r = CliRunner().invoke(main, ["config", "--socket", daemon.socket, "--json"])
-    assert float(json.loads(r.output)["settings"]["disk"]["idle_half_life_s"]) == 60.0
-
-
 def test_tune_shrink_host_evicts(daemon_factory):
     d = daemon_factory(["--host-capacity", "16MiB", "--slab-bytes", "1MiB"],
                        env={"TIERKV_DISK_ADMISSION": "all"})

@@ -98,9 +98,6 @@ class DiskConfig:
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
     policy: str = "attention"
     """Eviction policy for this tier: what to drop above the high watermark (lru, lfu, slru, gdsf, attention)."""
-    idle_half_life_s: float = 180.0
-    """Seconds without a use that halve a disk block's value in the ``attention`` eviction order (0: the
-    GDSF aging clock the host tier uses): a conversation idle for minutes goes before a busier one."""
     admission: Literal["predicted", "all", "reused", "pinned"] = "predicted"
     """Which host victims are written to disk: ``predicted`` (every one while the writer keeps up; under
     pressure those whose learned chance of a return, times the recompute time saved, beats the write),
@@ -235,8 +232,6 @@ def _check_disk(d: DiskConfig) -> None:
         raise ValueError("disk.workers must be between 1 and 64")
     if d.write_batch < 1:
         raise ValueError("disk.write_batch must be >= 1")
-    if not d.idle_half_life_s >= 0:
-        raise ValueError(f"disk.idle_half_life_s must be >= 0, got {d.idle_half_life_s!r}")
     from tierkv.codecs import available_codecs
 
     if d.codec not in available_codecs():

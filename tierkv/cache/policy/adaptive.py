@@ -60,9 +60,8 @@ class AdaptivePolicy(AttentionPolicy):
     def _combine(self, key: Hashable, freq: float, br: tuple[float, float], extra: float, p: float,
                  cost: float) -> float:
         head = br[0] * br[1]
-        base = self._base()
-        self._parts[key] = (base, freq, head, p * cost, extra)
-        return self._aged(base, (freq ** self.weight * head + extra) * p * cost)
+        self._parts[key] = (self.level, freq, head, p * cost, extra)
+        return self.level + (freq ** self.weight * head + extra) * p * cost
 
     # -- learning -------------------------------------------------------------------------------
     def rates(self) -> tuple[float, float]:
@@ -88,8 +87,8 @@ class AdaptivePolicy(AttentionPolicy):
         """Re-score every resident block with the current weight, at the clock it was scored at."""
         w = self._applied = self.weight
         self._since = 0
-        for key, (base, freq, head, pc, extra) in self._parts.items():
-            self._prio[key] = self._aged(base, (freq ** w * head + extra) * pc)
+        for key, (level, freq, head, pc, extra) in self._parts.items():
+            self._prio[key] = level + (freq ** w * head + extra) * pc
         self._compact()
 
     # -- events ---------------------------------------------------------------------------------

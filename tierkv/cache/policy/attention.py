@@ -15,10 +15,6 @@ For block ``b`` resident in this tier (higher stays longer)::
     priority = L + (F' * B * R + gamma * A) * P * C / S
     L  = priority of the last block evicted from this tier (GDSF aging clock)
 
-With ``idle_half_life_s`` = tau > 0 a block's value halves every tau seconds it is not used instead:
-``priority = log2((F' * B * R + gamma * A) * P * C / S) + t_scored / tau``, an order that stays the
-same between events (the disk tier's default: its blocks wait minutes for their next turn).
-
 A block is only a candidate once none of its prefix children is resident in this tier
 (``tails_first``): a parent is worth at least its children, so chains shrink from the tail.
 Use counts and depths live in a :class:`~tierkv.cache.policy.history.History` that may be shared by
@@ -69,8 +65,6 @@ class AttentionPolicy(HeapPolicy):
         "fetch_bytes_per_s": Setting(0.0, "read bandwidth of the next tier (0 = none: recompute)", min=0.0),
         "fetch_latency_s": Setting(0.0, "latency of one read from the next tier", min=0.0),
         "reuse_weight": Setting(1.0, "exponent of the learned chance of a return (0 = off)", min=0.0),
-        "idle_half_life_s": Setting(0.0, "seconds without a use that halve a block's value in the "
-                                    "eviction order (0 = the GDSF aging clock)", min=0.0),
     }
 
     def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None,
@@ -148,18 +142,7 @@ class AttentionPolicy(HeapPolicy):
             value *= br[0]
         if br[1] != 1.0:
             value *= br[1]
-        return self._aged(self._base(), (value + extra) * p * cost)
-
-    def _base(self) -> float:
-        """The aging term a block is scored at now: ``L``, or ``now / idle_half_life_s``."""
-        tau = self._settings["idle_half_life_s"]
-        return self.clock() / tau if tau > 0 else self.level
-
-    def _aged(self, base: float, value: float) -> float:
-        """The priority of ``value`` scored at aging term ``base``."""
-        if self._settings["idle_half_life_s"] > 0:
-            return base + math.log2(max(value, 1e-300))
-        return base + value
+        return self.level + (value + extra) * p * cost
 
     # -- events -----------------------------------------------------------------------------
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
