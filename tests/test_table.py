@@ -149,6 +149,24 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
     assert _get(t, s, keys)[0] == data
 
 
+def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
+    import dataclasses
+
+    from tierkv.daemon import tuning
+
+    t = make_table()  # admission "all": the disk policy has no reuse factor
+    pol = t.diskp.policy
+    assert pol.reuse is None
+    for mode, weighted in (("predicted", True), ("all", False), ("predicted", True)):
+        new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, admission=mode))
+        tuning.apply(t, new, {"disk.admission"})
+        assert t.diskp.policy is pol and (pol.reuse is not None) == weighted
+    new = dataclasses.replace(t.cfg, policy={**t.cfg.policy, "beta": 0.7})
+    tuning.apply(t, new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
+    assert pol.settings()["beta"] == 0.7 and pol.reuse is not None
+    assert pol.reuse(b"never seen") == t.admission.model.p(b"never seen", 0.0)
+
+
 def test_store_lookup_and_dedup(make_table):
     t = make_table()
     s = _session(t)

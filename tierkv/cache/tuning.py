@@ -13,8 +13,9 @@ RESTART_ONLY = frozenset({
     "gpu.capacity", "gpu.device", "gpu.slab_bytes",
 })
 
-# A change to one of these keys (or any ``policy.*`` weight) rebuilds or updates that tier's policy.
-POLICY_KEYS = {"host": "host.policy", "disk": "disk.policy"}
+# A change to one of these keys (or any ``policy.*`` weight) rebuilds or updates that tier's policy
+# (the disk policy is weighted by the admission rule's model under ``predicted`` admission).
+POLICY_KEYS = {"host": frozenset({"host.policy"}), "disk": frozenset({"disk.policy", "disk.admission"})}
 
 
 def check_restart_only(key: str) -> None:
@@ -25,7 +26,7 @@ def check_restart_only(key: str) -> None:
 
 def policy_changed(tier: str, changed: set[str]) -> bool:
     """Whether ``changed`` settings touch ``tier``'s policy (its name or any policy weight)."""
-    return POLICY_KEYS[tier] in changed or any(c.startswith("policy.") for c in changed)
+    return bool(POLICY_KEYS[tier] & changed) or any(c.startswith("policy.") for c in changed)
 
 
 def check_capacities(new: Any, changed: set[str], host_pool: int, disk_capacity: int | None,

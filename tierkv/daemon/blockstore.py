@@ -30,7 +30,7 @@ from tierkv.daemon.config import Config
 from tierkv.daemon.evictor import Evictor
 from tierkv.daemon.fetchpath import FetchPath
 from tierkv.daemon.gpupath import GpuPath, check_gpu
-from tierkv.daemon.startup import make_policy, open_tiers
+from tierkv.daemon.startup import make_disk_policy, make_policy, open_tiers
 from tierkv.daemon.storepath import StorePath
 from tierkv.daemon.transfers import Transfers
 from tierkv.movers.transfer import TransferEngine
@@ -64,8 +64,7 @@ class BlockStore:
                                    ghost_entries=HISTORY_ENTRIES // 2)
         self.data_dir = data_dir
         learned.load(self.learned_models(), data_dir)
-        disk_reuse = self.admission.model if cfg.disk.admission == "predicted" else None
-        self.diskp = DiskPlacement(self.table, make_policy(cfg.disk.policy, cfg, self.history, disk_reuse), cfg,
+        self.diskp = DiskPlacement(self.table, make_disk_policy(cfg, self.history, self.admission.model), cfg,
                                    lambda: self.disk.capacity if self.disk is not None else 0, stored_size)
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,

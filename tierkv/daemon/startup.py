@@ -70,3 +70,8 @@ def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | No
     if reuse is not None and "reuse" in params:
         kwargs["reuse"] = reuse.predictor(time.monotonic)
     return _make(name, **kwargs)
+
+
+def make_disk_policy(cfg: Config, history: History, admission: ReuseModel) -> Policy:
+    """The disk tier's policy, weighted by the admission rule's model under ``predicted`` admission."""
+    return make_policy(cfg.disk.policy, cfg, history, admission if cfg.disk.admission == "predicted" else None)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from tierkv.cache import tuning
 from tierkv.daemon.config import Config
-from tierkv.daemon.startup import make_policy
+from tierkv.daemon.startup import make_disk_policy, make_policy
 from tierkv.tiers.disk import stored_size
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def apply(st: BlockStore, new: Config, changed: set[str]) -> None:
     if tuning.policy_changed("host", changed):
         host_policy = make_policy(new.host.policy, new, st.history, st.host_reuse)
     if tuning.policy_changed("disk", changed):
-        disk_policy = make_policy(new.disk.policy, new, st.history)
+        disk_policy = make_disk_policy(new, st.history, st.admission.model)
     with st.lock:
         if host_policy is not None:
             _swap_host_policy(st, host_policy, new)
@@ -60,8 +60,10 @@ def _swap_host_policy(st: BlockStore, policy, new: Config) -> None:
 
 
 def _swap_disk_policy(st: BlockStore, policy, new: Config) -> None:
-    """Same policy: new weights; another: it takes over every block on disk. Lock held."""
+    """Same policy: new weights and reuse factor; another: it takes over every block on disk. Lock held."""
     if policy.name == st.diskp.policy.name:
+        if hasattr(policy, "reuse"):
+            st.diskp.policy.reuse = policy.reuse
         st.diskp.policy.update(**new.policy_settings(new.disk.policy))
         return
     for b in st.table.records():
