@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -92,8 +93,7 @@ def warm_start(w: Workload, host: str, disk: str) -> tuple[float, float, int]:
     cold = simulator(w, host, disk)
     r = cold.run(host)
     warm = simulator(w, host, disk)
-    model, learned = warm.rules[1].model, cold.rules[1].model
-    model._back, model._gone = dict(learned._back), dict(learned._gone)
+    warm.rules[1].model.load_counts(cold.rules[1].model.counts(), keep=math.inf)  # unscaled, unlike a restart
     r2 = warm.run(host)
     return r.token_hit_rate, r2.token_hit_rate, r2.disk_writes_bytes
 
