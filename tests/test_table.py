@@ -84,6 +84,12 @@ def _get(t: BlockStore, s: Session, keys: list[bytes], tier: str = "host") -> tu
     return got, tiers
 
 
+def _fill_gpu(t: BlockStore, s: Session, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
+    """GPU slots for ``keys``, each filled with its seeded bytes (not committed); returns (slots, bytes)."""
+    offs = t.alloc(s, len(keys), keys, "gpu")
+    return offs, [_fill(t.gpu.view(off, BLOCK), i) for i, off in enumerate(offs)]
+
+
 def _fill(view, seed: int) -> bytes:
     data = np.random.default_rng(seed).integers(0, 256, BLOCK, dtype=np.uint8)
     if hasattr(view, "numpy"):
@@ -112,8 +118,7 @@ def test_fetch_names_the_gpu_for_a_block_still_draining_from_it(make_table):
     s = _session(t)
     keys = _keys(2)
     held = _HeldCopies(t)
-    offs = t.alloc(s, 2, keys, "gpu")
-    data = [_fill(t.gpu.view(off, BLOCK), i) for i, off in enumerate(offs)]
+    offs, data = _fill_gpu(t, s, keys)
     assert t.commit(s, keys, offs, tier="gpu") == 2
     assert all(t.table.get(s.fp + k).draining for k in keys)
     ticket = t.fetch(s, keys)
@@ -132,8 +137,7 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
     _put(t, s, fill)
     held, _, _ = t.acquire(s, fill)  # every host slot leased: the drain below finds none
     keys = _keys(4)
-    offs = t.alloc(s, 4, keys, "gpu")
-    data = [_fill(t.gpu.view(off, BLOCK), i) for i, off in enumerate(offs)]
+    offs, data = _fill_gpu(t, s, keys)
     assert t.commit(s, keys, offs, tier="gpu") == 4
     assert all(t.table.get(s.fp + k).draining and t.table.get(s.fp + k).host_off is None for k in keys)
     t.release(s, [held])
@@ -245,8 +249,7 @@ def test_gpu_commit_drains_to_host_and_stays_busy_until_then(make_table):
     s = _session(t)
     keys = _keys(3)
     held = _HeldCopies(t)
-    offs = t.alloc(s, 3, keys, "gpu")
-    data = [_fill(t.gpu.view(off, BLOCK), i) for i, off in enumerate(offs)]
+    offs, data = _fill_gpu(t, s, keys)
     t.commit(s, keys, offs, tier="gpu")
     b = t.table.get(s.fp + keys[0])
     assert b.draining and b.gpu_protected and b.host_off is not None and b.loading is not None
