@@ -148,6 +148,55 @@ def test_attention_miss_cost_and_runtime_update():
     assert costly.victims(1) == ["y"]
 
 
+@pytest.mark.parametrize("name", ["attention", "adaptive"])
+def test_idle_aging_halves_a_blocks_value_per_idle_half_life(name):
+    """With ``idle_aging`` a block worth twice another but idle one half-life longer ties with it;
+    idle longer, it goes first."""
+    clock = FakeClock()
+    pol = build(name, clock, idle_aging=1.0, cost_fn=lambda k, s: 2.0 if k == "rich-old" else 1.0,
+                tails_first=False, freq_cap=1.0)
+    assert pol.tau == 300.0  # 1.0 x the starting mean idle time of victims
+    pol.on_insert("rich-old", 1)
+    clock.now += 450.0  # 1.5 half-lives later
+    pol.on_insert("poor-new", 1)
+    assert pol.victims(1) == ["rich-old"]  # 2 * 2^-1.5 < 1
+    pol.on_access("rich-old")  # used again: its value is whole
+    assert pol.victims(1) == ["poor-new"]
+    assert pol.priority("rich-old") - pol.priority("poor-new") == pytest.approx(1.0)  # one half-life ahead
+    with pytest.raises(ValueError):
+        pol.update(idle_aging=-1.0)
+    pol.update(idle_aging=0.0)  # back to the GDSF aging clock: L + value
+    assert pol.tau == 0.0
+    assert pol.priority("rich-old") - pol.level == pytest.approx(2 * (pol.priority("poor-new") - pol.level))
+    assert pol.victims(1) == ["poor-new"]
+
+
+@pytest.mark.parametrize("name", ["attention", "adaptive"])
+def test_idle_aging_half_life_follows_the_victims_idle_time(name):
+    """``tau`` converges to ``idle_aging`` x the victims' idle time; every resident block is re-scored
+    with the new ``tau`` from the time it was scored at, so the order by age is kept."""
+    clock = FakeClock()
+    pol = build(name, clock, idle_aging=0.5, cost_fn=lambda k, s: 2.0 if k == "a" else 1.0,
+                tails_first=False, freq_cap=1.0)
+    pol.on_insert("a", 1)
+    clock.now += 7.0
+    pol.on_insert("b", 1)
+    keep = {"a", "b"}.__contains__
+    taus = set()
+    for i in range(1000):  # every other block lives 60 s unused, then it is the victim
+        pol.on_insert(i, 1)
+        clock.now += 60.0
+        assert pol.victims(1, keep) == [i]
+        pol.on_remove(i)
+        taus.add(pol.tau)
+        # a (twice b's value, scored 7 s earlier) leads b by 1 - 7 / tau whatever tau is now
+        assert pol.priority("a") - pol.priority("b") == pytest.approx(1.0 - 7.0 / pol.tau)
+    assert len(taus) > 3 and 24.0 <= pol.tau <= 40.0  # 0.5 x 60 s, within the 25% re-score step
+    assert pol.victims(1) == ["b"]
+    pol.update(beta=0.7)  # a weight changed: re-scored, each block still aged from when it was scored
+    assert pol.priority("a") - pol.priority("b") == pytest.approx(1.0 - 7.0 / pol.tau)
+
+
 def test_attention_shared_history_survives_demotion():
     clock, hist = FakeClock(), History()
     host = make_policy("attention", clock=clock, history=hist)

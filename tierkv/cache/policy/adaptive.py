@@ -15,7 +15,7 @@ blocks), up otherwise, within ``weight_min``..``weight_max``. This is ARC's idea
 side whose ghosts are hit) with rates instead of counts, since most victims of a frequency-weighted
 score are once-used blocks whatever the trace.
 
-Resident blocks keep the aging clock ``L`` they were scored at, so a change of ``w`` re-scores them
+Resident blocks keep the aging clock ``L`` (or under ``idle_aging`` the time) they were scored at, so a change of ``w`` re-scores them
 without losing their order by age; re-scoring all of them waits until the tier has seen as many
 outcomes as an eighth of its blocks since the last one (amortised O(1) per event).
 """
@@ -59,9 +59,9 @@ class AdaptivePolicy(AttentionPolicy):
 
     def _combine(self, key: Hashable, freq: float, br: tuple[float, float], extra: float, p: float,
                  cost: float) -> float:
-        head = br[0] * br[1]
-        self._parts[key] = (self.level, freq, head, p * cost, extra)
-        return self.level + (freq ** self.weight * head + extra) * p * cost
+        head, base = br[0] * br[1], self._aging_base()
+        self._parts[key] = (base, freq, head, p * cost, extra)
+        return self._aged(key, base, (freq ** self.weight * head + extra) * p * cost)
 
     # -- learning -------------------------------------------------------------------------------
     def rates(self) -> tuple[float, float]:
@@ -87,8 +87,8 @@ class AdaptivePolicy(AttentionPolicy):
         """Re-score every resident block with the current weight, at the clock it was scored at."""
         w = self._applied = self.weight
         self._since = 0
-        for key, (level, freq, head, pc, extra) in self._parts.items():
-            self._prio[key] = level + (freq ** w * head + extra) * pc
+        for key, (base, freq, head, pc, extra) in self._parts.items():
+            self._prio[key] = self._aged(key, base, (freq ** w * head + extra) * pc)
         self._compact()
 
     # -- events ---------------------------------------------------------------------------------

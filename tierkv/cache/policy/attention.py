@@ -15,6 +15,14 @@ For block ``b`` resident in this tier (higher stays longer)::
     priority = L + (F' * B * R + gamma * A) * P * C / S
     L  = priority of the last block evicted from this tier (GDSF aging clock)
 
+With ``idle_aging`` = k > 0 a block's value halves every ``tau`` seconds it goes unused instead:
+``priority = log2(value) + t_scored / tau``, an order that stays put between events, with ``tau`` = k
+times a running mean (weight 0.01, start 300 s) of the idle time of the tier's victims, so the
+half-life follows how long the tier keeps blocks. When ``tau`` moves by more than a quarter every
+resident block is re-scored with it (each keeps its ``log2(value)`` and the time it was scored at).
+The disk tier's default: its blocks wait minutes for their conversation's next turn, and a
+conversation idle for long goes before a busier one whatever their values were.
+
 A block is only a candidate once none of its prefix children is resident in this tier
 (``tails_first``): a parent is worth at least its children, so chains shrink from the tail.
 Use counts and depths live in a :class:`~tierkv.cache.policy.history.History` that may be shared by
@@ -31,6 +39,8 @@ from tierkv.cache.policy.base import HeapPolicy, Setting, register
 from tierkv.cache.policy.history import History, Record, decayed
 
 _MIB = float(1 << 20)
+_IDLE_START_S = 300.0  # idle_aging: the victims' mean idle time before any victim
+_TAU_MIN_S = 10.0
 
 
 @register
@@ -65,6 +75,8 @@ class AttentionPolicy(HeapPolicy):
         "fetch_bytes_per_s": Setting(0.0, "read bandwidth of the next tier (0 = none: recompute)", min=0.0),
         "fetch_latency_s": Setting(0.0, "latency of one read from the next tier", min=0.0),
         "reuse_weight": Setting(1.0, "exponent of the learned chance of a return (0 = off)", min=0.0),
+        "idle_aging": Setting(0.0, "half-life of a block's value without a use, as a multiple of the mean "
+                              "idle time of the tier's victims (0 = the GDSF aging clock)", min=0.0),
     }
 
     def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None,
@@ -75,15 +87,27 @@ class AttentionPolicy(HeapPolicy):
         self.history = history if history is not None else History()
         self._mass: dict[Hashable, tuple[float, float]] = {}  # key -> (mass, time reported)
         self._sharers: dict[Hashable, int] = {}
+        self._scored: dict[Hashable, tuple[float, float]] = {}  # key -> (log2 value, time scored)
+        self.tau = 0.0  # idle_aging's half-life in seconds (0 = off)
+        self._scored_at: float | None = None  # a re-score's scoring time, kept from the last one
+        self._idle = _IDLE_START_S
         super().__init__(**kwargs)
 
     def _settings_changed(self) -> None:
         s = self._settings
         old = getattr(self, "tails_first", None)
         self.tails_first = s["tails_first"]
+        scored = dict(self._scored) if self.tau else {}  # under idle aging a re-score keeps the idle time
+        if not s["idle_aging"]:
+            self.tau, self._idle = 0.0, _IDLE_START_S
+            self._scored.clear()
+        else:
+            self.tau = max(_TAU_MIN_S, s["idle_aging"] * self._idle)
         if old is not None and hasattr(self, "_mass"):
             for key in self._size:  # weights changed: re-score every resident block
+                self._scored_at = scored.get(key, (0.0, None))[1] if self.tau else None
                 self._rescore(key)
+            self._scored_at = None
             self._compact()
 
     # -- score ------------------------------------------------------------------------------
@@ -142,7 +166,35 @@ class AttentionPolicy(HeapPolicy):
             value *= br[0]
         if br[1] != 1.0:
             value *= br[1]
-        return self.level + (value + extra) * p * cost
+        return self._aged(key, self._aging_base(), (value + extra) * p * cost)
+
+    def _aging_base(self) -> float:
+        """What a block scored now ages from: the clock under ``idle_aging``, else ``L``."""
+        if not self.tau:
+            return self.level
+        return self.clock() if self._scored_at is None else self._scored_at
+
+    def _aged(self, key: Hashable, base: float, value: float) -> float:
+        """The priority of ``value`` scored at ``base`` (see :meth:`_aging_base`)."""
+        if not self.tau:
+            return base + value
+        lv = math.log2(max(value, 1e-300))
+        self._scored[key] = (lv, base)
+        return lv + base / self.tau
+
+    def _victim_left(self, key: Hashable) -> None:
+        """Under ``idle_aging``: fold a victim's idle time into ``tau``; re-score all if it moved."""
+        scored = self._scored.get(key)
+        if scored is None:
+            return
+        self._idle = 0.99 * self._idle + 0.01 * (self.clock() - scored[1])
+        tau = max(_TAU_MIN_S, self._settings["idle_aging"] * self._idle)
+        if abs(tau - self.tau) > 0.25 * self.tau:
+            self.tau = tau
+            prio = self._prio
+            for k, (lv, t) in self._scored.items():
+                prio[k] = lv + t / tau
+            self._compact()
 
     # -- events -----------------------------------------------------------------------------
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
@@ -180,6 +232,12 @@ class AttentionPolicy(HeapPolicy):
             self._sharers.pop(key, None)
         self._rescore(key)
 
+    def on_remove(self, key: Hashable) -> None:
+        if self.tau and key in self._last_victims:
+            self._victim_left(key)
+        super().on_remove(key)
+
     def _forget(self, key: Hashable) -> None:
+        self._scored.pop(key, None)
         self._mass.pop(key, None)
         self._sharers.pop(key, None)
