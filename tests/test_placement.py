@@ -317,6 +317,24 @@ def test_replay_policy_default_runs_configs_default_toml(tmp_path):
         assert key in row
 
 
+def test_replay_default_ages_the_disk_as_the_daemon_does():
+    """``--policy default`` gives the disk policy ``disk.idle_aging`` and leaves the host on the GDSF
+    clock, as the daemon does; other policy names run without it."""
+    import dataclasses
+
+    from tierkv.ops.replay_cli import daemon_config, tiers_for
+    from tierkv.sim.simulator import Simulator
+
+    w = Workload(parse_trace([line(i * 1000, 1024, [i % 5, 100 + i]) for i in range(40)]))
+    tiers = [TierSpec("host", "10%"), TierSpec("disk", "30%", inclusive=True)]
+    daemon = daemon_config(None)
+    daemon = dataclasses.replace(daemon, disk=dataclasses.replace(daemon.disk, idle_aging=1.25))
+    sim = Simulator(w, "default", tiers_for("default", ReplayConfig(tiers=tiers), daemon, "all"))
+    assert [p.settings()["idle_aging"] for p in sim.policies] == [0.0, 1.25]
+    sim = Simulator(w, "attention", tiers_for("attention", ReplayConfig(tiers=tiers), daemon, "all"))
+    assert [p.settings()["idle_aging"] for p in sim.policies] == [0.0, 0.0]
+
+
 def test_replay_reads_the_repository_default_toml(tmp_path, monkeypatch):
     """``--policy default`` without ``--config`` reads configs/default.toml itself, not the built-in
     defaults: a setting changed there reaches the replay."""

@@ -171,6 +171,22 @@ def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     assert pol.reuse(b"never seen") == t.admission.model.p(b"never seen", 0.0)
 
 
+def test_disk_policy_ages_by_idle_time_and_tune_changes_it(make_table):
+    import dataclasses
+
+    from tierkv.daemon import tuning
+
+    t = make_table()
+    pol = t.diskp.policy
+    assert pol.settings()["idle_aging"] == t.cfg.disk.idle_aging == 0.65 and pol.tau > 0
+    assert t.hostp.policy.settings()["idle_aging"] == 0.0  # the host keeps the GDSF aging clock
+    for scale in (1.5, 0.0):
+        new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, idle_aging=scale))
+        tuning.apply(t, new, {"disk.idle_aging"})
+        assert t.diskp.policy is pol and pol.settings()["idle_aging"] == scale
+    assert pol.tau == 0.0
+
+
 def test_store_lookup_and_dedup(make_table):
     t = make_table()
     s = _session(t)

@@ -39,6 +39,22 @@ def test_tune_policy_and_config_cli(daemon):
     assert "host.policy = 'lru'  (tune)" in r.output
 
 
+def test_tune_disk_idle_aging(daemon):
+    def half_life() -> float:
+        r = CliRunner().invoke(main, ["stats", "--socket", daemon.socket, "--json"])
+        return json.loads(r.output)["tiers"]["disk"]["idle_half_life_s"]
+
+    assert half_life() == 0.65 * 300  # the configured multiple of the starting mean idle time
+    r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.idle_aging=1.2"])
+    assert r.exit_code == 0, r.output
+    assert half_life() == 1.2 * 300
+    for bad in ("disk.idle_aging=-1", "disk.idle_aging=soon", "disk.idle_aging=inf"):
+        r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, bad])
+        assert r.exit_code != 0 and "Traceback" not in r.output and "idle_aging" in r.output, r.output
+    r = CliRunner().invoke(main, ["config", "--socket", daemon.socket, "--json"])
+    assert float(json.loads(r.output)["settings"]["disk"]["idle_aging"]) == 1.2
+
+
 def test_tune_shrink_host_evicts(daemon_factory):
     d = daemon_factory(["--host-capacity", "16MiB", "--slab-bytes", "1MiB"],
                        env={"TIERKV_DISK_ADMISSION": "all"})

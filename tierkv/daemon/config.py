@@ -98,6 +98,10 @@ class DiskConfig:
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
     policy: str = "attention"
     """Eviction policy for this tier: what to drop above the high watermark (lru, lfu, slru, gdsf, attention)."""
+    idle_aging: float = 0.65
+    """The ``attention`` disk order halves a block's value every ``tau`` seconds without a use, ``tau``
+    being this times the mean idle time of the disk's recent victims (0: the GDSF aging clock the host
+    tier uses): a conversation idle for long goes before a busier one."""
     admission: Literal["predicted", "all", "reused", "pinned"] = "predicted"
     """Which host victims are written to disk: ``predicted`` (every one while the writer keeps up; under
     pressure those whose learned chance of a return, times the recompute time saved, beats the write),
@@ -232,6 +236,8 @@ def _check_disk(d: DiskConfig) -> None:
         raise ValueError("disk.workers must be between 1 and 64")
     if d.write_batch < 1:
         raise ValueError("disk.write_batch must be >= 1")
+    if not d.idle_aging >= 0 or d.idle_aging == float("inf"):
+        raise ValueError(f"disk.idle_aging must be >= 0, got {d.idle_aging!r}")
     from tierkv.codecs import available_codecs
 
     if d.codec not in available_codecs():

@@ -72,7 +72,8 @@ def _local_tiers(st: BlockStore) -> dict[str, dict]:
                                       file_bytes=st.disk.file_bytes(), readers=st.disk.readers(),
                                       policy=dp.policy.name, admission=st.cfg.disk.admission,
                                       admitted=adm.admitted, written_behind=hp.written_behind,
-                                      rejected=adm.rejected, placement=adm.snapshot())
+                                      rejected=adm.rejected, placement=adm.snapshot(),
+                                      idle_half_life_s=round(getattr(dp.policy, "tau", 0.0), 1))
     return tiers
 
 

@@ -59,11 +59,15 @@ def open_tiers(cfg: Config, data_dir: str) -> Tiers:
     return Tiers(host, disk, gpu, remote)
 
 
-def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | None = None) -> Policy:
-    """A tier's policy with the configured weights, sharing the store's history where it keeps one;
-    with ``reuse`` it also weighs blocks by the learned chance that they come back (the host tier by
-    its own model, the disk tier by the admission rule's)."""
+def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | None = None,
+                overrides: dict[str, Any] | None = None) -> Policy:
+    """A tier's policy with the configured weights (and the tier's own ``overrides`` of those the
+    policy has), sharing the store's history where it keeps one; with ``reuse`` it also weighs blocks
+    by the learned chance that they come back (the host tier by its own model, the disk tier by the
+    admission rule's)."""
     kwargs = cfg.policy_settings(name)
+    known = policy_class(name).SETTINGS
+    kwargs.update({k: v for k, v in (overrides or {}).items() if k in known})
     params = inspect.signature(policy_class(name)).parameters
     if "history" in params:
         kwargs["history"] = history
@@ -73,5 +77,7 @@ def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | No
 
 
 def make_disk_policy(cfg: Config, history: History, admission: ReuseModel) -> Policy:
-    """The disk tier's policy, weighted by the admission rule's model under ``predicted`` admission."""
-    return make_policy(cfg.disk.policy, cfg, history, admission if cfg.disk.admission == "predicted" else None)
+    """The disk tier's policy: weighted by the admission rule's model under ``predicted`` admission,
+    aged by ``disk.idle_aging``."""
+    reuse = admission if cfg.disk.admission == "predicted" else None
+    return make_policy(cfg.disk.policy, cfg, history, reuse, {"idle_aging": cfg.disk.idle_aging})

@@ -60,11 +60,11 @@ def _swap_host_policy(st: BlockStore, policy, new: Config) -> None:
 
 
 def _swap_disk_policy(st: BlockStore, policy, new: Config) -> None:
-    """Same policy: new weights and reuse factor; another: it takes over every block on disk. Lock held."""
+    """Same policy: new weights (and reuse factor); another: it takes over every block on disk. Lock held."""
     if policy.name == st.diskp.policy.name:
         if hasattr(policy, "reuse"):
             st.diskp.policy.reuse = policy.reuse
-        st.diskp.policy.update(**new.policy_settings(new.disk.policy))
+        st.diskp.policy.update(**policy.settings())
         return
     for b in st.table.records():
         if b.on_disk:

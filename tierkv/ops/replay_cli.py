@@ -63,9 +63,9 @@ def daemon_config(path: Path | None) -> Config:
 
 
 def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -> ReplayConfig:
-    """The config policy ``name`` runs with: ``default`` takes each tier's policy, the policy weights
-    and the disk admission from the daemon's settings; ``opt`` writes every victim (the true
-    ceiling); any other policy uses ``admission``."""
+    """The config policy ``name`` runs with: ``default`` takes each tier's policy, the policy weights,
+    the disk's admission and idle aging from the daemon's settings; ``opt`` writes every victim (the
+    true ceiling); any other policy uses ``admission``."""
     tiers = [TierSpec(**asdict(t)) for t in config.tiers]
     settings = {k: dict(v) for k, v in config.policy_settings.items()}
     for t in tiers[1:]:
@@ -74,6 +74,7 @@ def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -
         tiers[0].policy = daemon.host.policy
         for t in tiers[1:]:
             t.policy, t.admission = daemon.disk.policy, daemon.disk.admission
+            t.policy_settings = {**t.policy_settings, "idle_aging": daemon.disk.idle_aging}
         for pol in {t.policy for t in tiers}:
             settings[pol] = {**daemon.policy_settings(pol), **settings.get(pol, {})}  # type: ignore[arg-type]
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__}

@@ -29,6 +29,7 @@ class TierSpec:
         write_bytes_per_s: bandwidth of writing blocks into this tier, in stored bytes per second;
             while its writer has nothing queued every victim is written (the admission rule is told
             the writer has spare bandwidth). 0: not modelled, the rule decides every victim.
+        policy_settings: this tier's own policy settings, over the run's (those its policy has).
     """
 
     name: str
@@ -40,6 +41,7 @@ class TierSpec:
     inclusive: bool = False
     policy: str | None = None
     write_bytes_per_s: float = 0.0
+    policy_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.write_bytes_per_s >= 0:

@@ -129,6 +129,8 @@ class Simulator:
     def _make_policy(self, name: str, tier: int):
         cfg = self.config
         settings = dict(cfg.policy_settings.get(name, {}))
+        known = policy_class(name).SETTINGS
+        settings.update({k: v for k, v in cfg.tiers[tier].policy_settings.items() if k in known})
         kwargs: dict[str, Any] = {}
         if name == "opt":
             kwargs["next_use"] = self._next_of.__getitem__
