@@ -197,6 +197,26 @@ def test_idle_aging_half_life_follows_the_victims_idle_time(name):
     assert pol.priority("a") - pol.priority("b") == pytest.approx(1.0 - 7.0 / pol.tau)
 
 
+@pytest.mark.parametrize("name", ["attention", "adaptive"])
+def test_idle_aging_refreshes_a_stale_reuse_factor_and_keeps_the_idle_time(name):
+    """A block whose learned chance of a return has moved by 2x or more since it was scored is
+    re-scored as victims leave, from the time it was scored at; a smaller move leaves it be."""
+    clock, chance = FakeClock(), {"a": 1.0, "b": 1.0}
+    pol = build(name, clock, idle_aging=1.0, tails_first=False, freq_cap=1.0,
+                reuse=lambda k: chance.get(k, 1e-6))
+    pol.on_insert("a", 1)
+    clock.now += 10.0
+    pol.on_insert("b", 1)
+    before = {k: pol.priority(k) for k in "ab"}
+    chance.update(a=0.25, b=0.8)  # the model learned: a's class comes back a quarter as often
+    pol.on_insert("filler", 1)
+    assert pol.victims(1, {"a", "b"}.__contains__) == ["filler"]
+    pol.on_remove("filler")  # a victim moves the refresh hand over the blocks
+    assert pol.priority("a") == pytest.approx(before["a"] - 2.0)  # log2(0.25), still aged from t = 0
+    assert pol.priority("b") == before["b"]
+    assert pol.victims(1) == ["a"]
+
+
 def test_attention_shared_history_survives_demotion():
     clock, hist = FakeClock(), History()
     host = make_policy("attention", clock=clock, history=hist)

@@ -20,6 +20,9 @@ With ``idle_aging`` = k > 0 a block's value halves every ``tau`` seconds it goes
 times a running mean (weight 0.01, start 300 s) of the idle time of the tier's victims, so the
 half-life follows how long the tier keeps blocks. When ``tau`` moves by more than a quarter every
 resident block is re-scored with it (each keeps its ``log2(value)`` and the time it was scored at).
+With a ``reuse`` factor a hand also moves over the resident blocks, eight per victim, and re-scores
+(from the time each was scored at) those whose learned chance has moved by a factor of 2 or more
+since: a block scored while the model knew little keeps its idle time but not a stale ``P``.
 The disk tier's default: its blocks wait minutes for their conversation's next turn, and a
 conversation idle for long goes before a busier one whatever their values were.
 
@@ -41,6 +44,7 @@ from tierkv.cache.policy.history import History, Record, decayed
 _MIB = float(1 << 20)
 _IDLE_START_S = 300.0  # idle_aging: the victims' mean idle time before any victim
 _TAU_MIN_S = 10.0
+_REFRESH_PER_VICTIM = 8  # idle_aging: blocks the refresh hand checks per victim (a sweep per n/8)
 
 
 @register
@@ -90,6 +94,9 @@ class AttentionPolicy(HeapPolicy):
         self._scored: dict[Hashable, tuple[float, float]] = {}  # key -> (log2 value, time scored)
         self.tau = 0.0  # idle_aging's half-life in seconds (0 = off)
         self._scored_at: float | None = None  # a re-score's scoring time, kept from the last one
+        self._p: dict[Hashable, float] = {}  # under idle aging with reuse: the chance a block was scored with
+        self._hand: list[Hashable] = []  # the blocks the refresh hand goes over, and where it is
+        self._hand_i = 0
         self._idle = _IDLE_START_S
         super().__init__(**kwargs)
 
@@ -101,6 +108,7 @@ class AttentionPolicy(HeapPolicy):
         if not s["idle_aging"]:
             self.tau, self._idle = 0.0, _IDLE_START_S
             self._scored.clear()
+            self._p.clear()
         else:
             self.tau = max(_TAU_MIN_S, s["idle_aging"] * self._idle)
         if old is not None and hasattr(self, "_mass"):
@@ -126,7 +134,8 @@ class AttentionPolicy(HeapPolicy):
         return recompute
 
     def _rescore(self, key: Hashable) -> None:
-        s, now = self._settings, self.clock()
+        s = self._settings
+        now = self.clock() if self._scored_at is None else self._scored_at
         rec = self.history.record(key, now)
         f = decayed(rec, now, s["half_life_s"])
         if s["freq_cap"] > 0:
@@ -140,7 +149,13 @@ class AttentionPolicy(HeapPolicy):
             if s["attn_half_life_s"] > 0:
                 a *= 2.0 ** (-max(now - t, 0.0) / s["attn_half_life_s"])
             extra = s["gamma"] * a
-        p = self.reuse(key) ** s["reuse_weight"] if self.reuse is not None and s["reuse_weight"] else 1.0
+        p = 1.0
+        if self.reuse is not None:
+            raw = self.reuse(key)
+            if self.tau:
+                self._p[key] = raw
+            if s["reuse_weight"]:
+                p = raw ** s["reuse_weight"]
         size = self._size[key]
         cost = self.miss_cost(key, size, rec) * _MIB / max(size, 1)
         self._set_priority(key, self._combine(key, f, self._branch_sharers(key, rec), extra, p, cost))
@@ -195,6 +210,25 @@ class AttentionPolicy(HeapPolicy):
             for k, (lv, t) in self._scored.items():
                 prio[k] = lv + t / tau
             self._compact()
+        if self.reuse is not None:
+            self._refresh(_REFRESH_PER_VICTIM)
+
+    def _refresh(self, n: int) -> None:
+        """Move the refresh hand over ``n`` resident blocks: re-score, from the time each was scored
+        at, those whose learned chance of a return moved by a factor of 2 or more."""
+        if self._hand_i >= len(self._hand):
+            self._hand, self._hand_i = list(self._size), 0
+        end = min(self._hand_i + n, len(self._hand))
+        for key in self._hand[self._hand_i:end]:
+            old, scored = self._p.get(key), self._scored.get(key)
+            if old is None or scored is None:
+                continue  # left the tier since the hand started
+            new = self.reuse(key)  # type: ignore[misc]
+            if abs(math.log2(max(new, 1e-300) / max(old, 1e-300))) >= 1.0:
+                self._scored_at = scored[1]
+                self._rescore(key)
+        self._scored_at = None
+        self._hand_i = end
 
     # -- events -----------------------------------------------------------------------------
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
@@ -239,5 +273,6 @@ class AttentionPolicy(HeapPolicy):
 
     def _forget(self, key: Hashable) -> None:
         self._scored.pop(key, None)
+        self._p.pop(key, None)
         self._mass.pop(key, None)
         self._sharers.pop(key, None)
