@@ -183,7 +183,7 @@ def test_idle_aging_half_life_follows_the_victims_idle_time(name):
     pol.on_insert("b", 1)
     keep = {"a", "b"}.__contains__
     taus = set()
-    for i in range(1000):  # every other block lives 60 s unused, then it is the victim
+    for i in range(4000):  # every other block lives 60 s unused, then it is the victim
         pol.on_insert(i, 1)
         clock.now += 60.0
         assert pol.victims(1, keep) == [i]

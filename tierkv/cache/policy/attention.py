@@ -17,7 +17,7 @@ For block ``b`` resident in this tier (higher stays longer)::
 
 With ``idle_aging`` = k > 0 a block's value halves every ``tau`` seconds it goes unused instead:
 ``priority = log2(value) + t_scored / tau``, an order that stays put between events, with ``tau`` = k
-times a running mean (weight 0.01, start 300 s) of the idle time of the tier's victims, so the
+times a running mean (weight 0.002, start 300 s) of the idle time of the tier's victims, so the
 half-life follows how long the tier keeps blocks. When ``tau`` moves by more than a quarter every
 resident block is re-scored with it (each keeps its ``log2(value)`` and the time it was scored at).
 With a ``reuse`` factor a hand also moves over the resident blocks, eight per victim, and re-scores
@@ -44,6 +44,8 @@ from tierkv.cache.policy.history import History, Record, decayed
 _MIB = float(1 << 20)
 _IDLE_START_S = 300.0  # idle_aging: the victims' mean idle time before any victim
 _TAU_MIN_S = 10.0
+_IDLE_WEIGHT = 0.002  # idle_aging: weight of each victim's idle time in the running mean
+_TAU_STEP = 0.25  # idle_aging: how far tau moves before every block is re-scored with it
 _REFRESH_PER_VICTIM = 8  # idle_aging: blocks the refresh hand checks per victim (a sweep per n/8)
 
 
@@ -98,6 +100,7 @@ class AttentionPolicy(HeapPolicy):
         self._hand: list[Hashable] = []  # the blocks the refresh hand goes over, and where it is
         self._hand_i = 0
         self._idle = _IDLE_START_S
+        self.rescales = 0  # times every block was re-scored for a new tau
         super().__init__(**kwargs)
 
     def _settings_changed(self) -> None:
@@ -202,9 +205,10 @@ class AttentionPolicy(HeapPolicy):
         scored = self._scored.get(key)
         if scored is None:
             return
-        self._idle = 0.99 * self._idle + 0.01 * (self.clock() - scored[1])
+        self._idle += _IDLE_WEIGHT * (self.clock() - scored[1] - self._idle)
         tau = max(_TAU_MIN_S, self._settings["idle_aging"] * self._idle)
-        if abs(tau - self.tau) > 0.25 * self.tau:
+        if abs(tau - self.tau) > _TAU_STEP * self.tau:
+            self.rescales += 1
             self.tau = tau
             prio = self._prio
             for k, (lv, t) in self._scored.items():
