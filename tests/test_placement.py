@@ -97,6 +97,28 @@ def test_request_finished_carries_the_generated_token_count(daemon):
         assert c.lookup(keys) == 4
 
 
+def test_the_eviction_model_learns_over_a_shorter_ghost_list():
+    """The disk order's model sees every signal the admission model sees, on a ghost list
+    ``evict_horizon`` times as long: a block that returns after more departures than that counts a
+    miss for the eviction model and a return for the admission model."""
+    rule = Placement("predicted", ghost_entries=100, evict_horizon=0.5)
+    assert rule.evict_model.settings()["ghost_entries"] == 50
+    rule.requested([b"late"], 0.0)
+    cls = rule.model.block_class(b"late", 0.0)  # the class it leaves with
+    rule.admit(b"late", 0.0)
+    for i in range(70):  # 70 departures later: off the 50-entry list, still on the 100-entry one
+        rule.requested([i], 1.0)
+        rule.admit(i, 1.0)
+    rule.requested([b"late"], 2.0)
+    assert rule.model.returns == 1 and rule.evict_model.returns == 0
+    assert rule.evict_model.class_p(cls) < 0.5 < rule.model.class_p(cls)
+    rule.update(evict_horizon=2.0)
+    assert rule.evict_model.settings()["ghost_entries"] == 200
+    with pytest.raises(ValueError, match="evict_horizon"):
+        rule.update(evict_horizon=0.0)
+    assert rule.evict_model.settings()["ghost_entries"] == 200  # a bad value changes nothing
+
+
 def test_learned_classes_survive_a_restart(daemon_factory):
     """The reuse models' class counts are kept in the data directory: a restarted daemon starts with
     what the last one learned; a damaged file is ignored and nothing stored is lost."""
@@ -108,13 +130,16 @@ def test_learned_classes_survive_a_restart(daemon_factory):
         c.request_finished(keys[:100], output_tokens=7)
         c.get(keys[:60])
         before = {t: c.stats()["tiers"][t] for t in ("host", "disk")}
-    learned = (before["host"]["reuse"]["classes"], before["disk"]["placement"]["classes"])
+    learned = (before["host"]["reuse"]["classes"], before["disk"]["placement"]["classes"],
+               before["disk"]["placement"]["eviction"]["classes"])
     assert learned[0] and not before["host"]["reuse"]["restored_counts"]
     d.restart()
     with d.client() as c:
         st = c.stats()["tiers"]
-        assert (st["host"]["reuse"]["classes"], st["disk"]["placement"]["classes"]) == learned
-        assert st["host"]["reuse"]["restored_counts"] and st["disk"]["placement"]["restored_counts"]
+        place = st["disk"]["placement"]
+        assert (st["host"]["reuse"]["classes"], place["classes"], place["eviction"]["classes"]) == learned
+        assert st["host"]["reuse"]["restored_counts"] and place["restored_counts"]
+        assert place["eviction"]["restored_counts"]
         held = c.lookup(keys)
     d.stop()
     (d.workdir / "data" / "reuse-classes.msgpack").write_bytes(b"\xc1 not msgpack")

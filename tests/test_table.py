@@ -168,7 +168,7 @@ def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     new = dataclasses.replace(t.cfg, policy={**t.cfg.policy, "beta": 0.7})
     tuning.apply(t, new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
     assert pol.settings()["beta"] == 0.7 and pol.reuse is not None
-    assert pol.reuse(b"never seen") == t.admission.model.p(b"never seen", 0.0)
+    assert pol.reuse(b"never seen") == t.admission.evict_model.p(b"never seen", 0.0)
 
 
 def test_disk_policy_ages_by_idle_time_and_tune_changes_it(make_table):

@@ -93,7 +93,8 @@ def warm_start(w: Workload, host: str, disk: str) -> tuple[float, float, int]:
     cold = simulator(w, host, disk)
     r = cold.run(host)
     warm = simulator(w, host, disk)
-    warm.rules[1].model.load_counts(cold.rules[1].model.counts(), keep=math.inf)  # unscaled, unlike a restart
+    for name in ("model", "evict_model"):  # unscaled, unlike a restart
+        getattr(warm.rules[1], name).load_counts(getattr(cold.rules[1], name).counts(), keep=math.inf)
     r2 = warm.run(host)
     return r.token_hit_rate, r2.token_hit_rate, r2.disk_writes_bytes
 

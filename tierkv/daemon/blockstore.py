@@ -64,7 +64,7 @@ class BlockStore:
                                    ghost_entries=HISTORY_ENTRIES // 2)
         self.data_dir = data_dir
         learned.load(self.learned_models(), data_dir)
-        self.diskp = DiskPlacement(self.table, make_disk_policy(cfg, self.history, self.admission.model), cfg,
+        self.diskp = DiskPlacement(self.table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg,
                                    lambda: self.disk.capacity if self.disk is not None else 0, stored_size)
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
@@ -381,7 +381,8 @@ class BlockStore:
 
     def learned_models(self) -> dict[str, ReuseModel]:
         """The reuse models whose class counts are kept across restarts."""
-        return {"host": self.host_reuse, "disk": self.admission.model}
+        return {"host": self.host_reuse, "disk": self.admission.model,
+                "disk-eviction": self.admission.evict_model}
 
     def close(self, timeout: float) -> None:
         """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and

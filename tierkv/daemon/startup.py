@@ -76,8 +76,8 @@ def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | No
     return _make(name, **kwargs)
 
 
-def make_disk_policy(cfg: Config, history: History, admission: ReuseModel) -> Policy:
-    """The disk tier's policy: weighted by the admission rule's model under ``predicted`` admission,
-    aged by ``disk.idle_aging``."""
-    reuse = admission if cfg.disk.admission == "predicted" else None
+def make_disk_policy(cfg: Config, history: History, evict_model: ReuseModel) -> Policy:
+    """The disk tier's policy: weighted by the admission rule's eviction model
+    (:attr:`Placement.evict_model`) under ``predicted`` admission, aged by ``disk.idle_aging``."""
+    reuse = evict_model if cfg.disk.admission == "predicted" else None
     return make_policy(cfg.disk.policy, cfg, history, reuse, {"idle_aging": cfg.disk.idle_aging})

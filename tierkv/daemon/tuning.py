@@ -27,7 +27,7 @@ def apply(st: BlockStore, new: Config, changed: set[str]) -> None:
     if tuning.policy_changed("host", changed):
         host_policy = make_policy(new.host.policy, new, st.history, st.host_reuse)
     if tuning.policy_changed("disk", changed):
-        disk_policy = make_disk_policy(new, st.history, st.admission.model)
+        disk_policy = make_disk_policy(new, st.history, st.admission.evict_model)
     with st.lock:
         if host_policy is not None:
             _swap_host_policy(st, host_policy, new)

@@ -83,10 +83,10 @@ class Simulator:
         self._hit_tok = 0
         self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
         self._signals: list[Any] = [r for r in self.rules if r is not None]
-        for tier, rule in enumerate(self.rules):  # a colder tier weighs blocks by its admission rule's model
+        for tier, rule in enumerate(self.rules):  # a colder tier weighs blocks by its rule's eviction model
             pol = self.policies[tier]
             if rule is not None and rule.mode == "predicted" and isinstance(pol, AttentionPolicy):
-                pol.reuse = rule.model.predictor(self.clock)
+                pol.reuse = rule.evict_model.predictor(self.clock)
         if self.host_reuse is not None:
             self._signals.append(self.host_reuse)
         modes = [t.admission_mode for t in config.tiers[1:]]
