@@ -15,9 +15,10 @@ blocks), up otherwise, within ``weight_min``..``weight_max``. This is ARC's idea
 side whose ghosts are hit) with rates instead of counts, since most victims of a frequency-weighted
 score are once-used blocks whatever the trace.
 
-Resident blocks keep the aging clock ``L`` (or under ``idle_aging`` the time) they were scored at, so a change of ``w`` re-scores them
-without losing their order by age; re-scoring all of them waits until the tier has seen as many
-outcomes as an eighth of its blocks since the last one (amortised O(1) per event).
+Resident blocks keep the aging clock ``L`` (under ``idle_aging``, the time) they were scored at, so
+a change of ``w`` re-scores them without losing their order by age; re-scoring all of them waits
+until the tier has seen as many outcomes as an eighth of its blocks since the last one (amortised
+O(1) per event).
 """
 
 from __future__ import annotations
