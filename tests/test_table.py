@@ -6,6 +6,8 @@ and checks the records and the bytes in the slots.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -168,7 +170,18 @@ def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     new = dataclasses.replace(t.cfg, policy={**t.cfg.policy, "beta": 0.7})
     tuning.apply(t, new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
     assert pol.settings()["beta"] == 0.7 and pol.reuse is not None
-    assert pol.reuse(b"never seen") == t.admission.evict_model.p(b"never seen", 0.0)
+    rule = t.admission  # make its two models disagree: a return past the eviction model's shorter list
+    rule.update(ghost_entries=100, evict_horizon=0.5)
+    now = time.monotonic()
+    rule.requested([b"late"], now)
+    rule.admit(b"late", now)
+    for i in range(70):
+        rule.requested([i], now)
+        rule.admit(i, now)
+    rule.requested([b"late"], now)
+    rule.requested([b"like late"], now)  # a block of the class late left in
+    assert rule.model.p(b"like late", now) > 0.5 > rule.evict_model.p(b"like late", now)
+    assert pol.reuse(b"like late") == rule.evict_model.p(b"like late", now)  # the order's model
 
 
 def test_disk_policy_ages_by_idle_time_and_tune_changes_it(make_table):
