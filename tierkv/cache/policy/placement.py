@@ -13,8 +13,9 @@ the caller) every victim goes; under pressure the least valuable are skipped fir
 shared blocks are always written. The other modes: ``reused`` (used twice, shared or pinned),
 ``all``, ``pinned``.
 
-The colder tier's eviction order weighs its blocks by a second model (``evict_model``) fed the same
-signals, whose ghost list is ``evict_horizon`` (0.75) times as long: the order wants the chance of a
+The colder tier's eviction order weighs its blocks by a second model (``evict_model``, a
+:meth:`~tierkv.cache.policy.reuse.ReuseModel.sibling` over the same block records), whose ghost list
+is ``evict_horizon`` (0.75) times as long: the order wants the chance of a
 return while the tier would still hold the block, the admission rule a more generous one (on the
 synthetic trace the shorter list gains the eviction order 0.4-0.5 points and costs the admission
 rule 3.5: docs/placement.md).
@@ -62,31 +63,24 @@ class Placement:
         self.model = ReuseModel(**{k: v for k, v in settings.items() if k in ReuseModel.SETTINGS})
         self._settings = checked_settings(self.SETTINGS, {k: s.default for k, s in self.SETTINGS.items()},
                                           own, "admission")
-        self.evict_model = ReuseModel(**self._evict_settings())
+        self.evict_model = self.model.sibling(self._evict_ghost())
         self.admitted = 0
         self.rejected = 0
 
-    # -- engine signals, passed to the model ------------------------------------------------------
-    def _evict_settings(self) -> dict[str, Any]:
-        """The eviction model's settings: the admission model's with its ghost list scaled."""
-        s = self.model.settings()
-        s["ghost_entries"] = max(16, round(self._settings["evict_horizon"] * s["ghost_entries"]))
-        return s
-
+    # -- engine signals, passed to the models -----------------------------------------------------
     def requested(self, keys: Sequence[Hashable], now: float) -> None:
         """A request named ``keys`` (its prefix chain, in order); see :meth:`ReuseModel.requested`."""
         self.model.requested(keys, now)
-        self.evict_model.requested(keys, now)
+        self.evict_model.returned(keys)
 
     def request_finished(self, keys: Sequence[Hashable], now: float, output_tokens: int | None = None) -> None:
         """A request finished; ``keys`` are a conversation tail that may be extended."""
         self.model.request_finished(keys, now, output_tokens)
-        self.evict_model.request_finished(keys, now, output_tokens)
 
     def stored(self, keys: Sequence[Hashable], now: float) -> None:
         """``keys`` (a chain) were stored; see :meth:`ReuseModel.stored`."""
         self.model.stored(keys, now)
-        self.evict_model.stored(keys, now)
+        self.evict_model.returned(keys)
 
     # -- the decision -----------------------------------------------------------------------------
     def wants(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
@@ -130,7 +124,8 @@ class Placement:
     def snapshot(self) -> dict[str, Any]:
         """Counters and the learned classes (for ``tierkv stats``)."""
         return {"mode": self.mode, "admitted": self.admitted, "rejected": self.rejected,
-                **self.model.snapshot(), "eviction": self.evict_model.snapshot()}
+                **self.model.snapshot(), "eviction": {k: v for k, v in self.evict_model.snapshot().items()
+                                                      if k in ("returns", "ghost", "restored_counts", "classes")}}
 
     # -- settings ---------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -144,4 +139,8 @@ class Placement:
         own = checked_settings(self.SETTINGS, self._settings, settings, "admission")
         self.model.update(**model)
         self._settings, self.mode = own, mode
-        self.evict_model.update(**self._evict_settings())
+        self.evict_model.update(**{**self.model.settings(), "ghost_entries": self._evict_ghost()})
+
+    def _evict_ghost(self) -> int:
+        """The eviction model's ghost list: ``evict_horizon`` times the admission model's."""
+        return max(16, round(self._settings["evict_horizon"] * self.model.settings()["ghost_entries"]))

@@ -129,7 +129,7 @@ class ReuseModel:
                 r.chain, r.depth = chain, d
                 recs.move_to_end(key)
             r.uses += 1
-        self._returned(keys)
+        self.returned(keys)
         self._trim()
 
     def request_finished(self, keys: Sequence[Hashable], now: float, output_tokens: int | None = None) -> None:
@@ -152,7 +152,7 @@ class ReuseModel:
         """``keys`` (a chain, in order) were stored: a use for those no request named; a key on the
         ghost list counts a return (it was dropped and computed again)."""
         fresh = [k for k in keys if k not in self._rec]
-        self._returned(keys)
+        self.returned(keys)
         if fresh:
             self.requested(fresh, now)
 
@@ -167,13 +167,23 @@ class ReuseModel:
             _, old = ghost.popitem(last=False)
             self._gone[old] = self._gone.get(old, 0.0) + 1.0
 
-    def _returned(self, keys: Sequence[Hashable]) -> None:
+    def returned(self, keys: Sequence[Hashable]) -> None:
+        """Keys on the ghost list among ``keys`` count a return for the class they left in (part of
+        :meth:`requested` and :meth:`stored`; all a :meth:`sibling` is told of them)."""
         ghost, back = self._ghost, self._back
         for key in keys:
             cls = ghost.pop(key, None)
             if cls is not None:
                 back[cls] = back.get(cls, 0.0) + 1.0
                 self.returns += 1
+
+    def sibling(self, ghost_entries: int) -> ReuseModel:
+        """A model over this one's block records (uses, chains: kept by this model alone) with a ghost
+        list of its own, ``ghost_entries`` long, and counts of its own. Tell it departures with
+        :meth:`left` and requests and stores with :meth:`returned` only."""
+        twin = ReuseModel(**{**self._settings, "ghost_entries": ghost_entries})
+        twin._rec = self._rec
+        return twin
 
     def _trim(self) -> None:
         recs, cap = self._rec, self._settings["max_records"]
