@@ -48,9 +48,11 @@ def test_tune_disk_idle_aging(daemon):
     r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.idle_aging=1.2"])
     assert r.exit_code == 0, r.output
     assert half_life() == 1.2 * 300
-    for bad in ("disk.idle_aging=-1", "disk.idle_aging=soon", "disk.idle_aging=inf"):
+    for bad in ("disk.idle_aging=-1", "disk.idle_aging=soon", "disk.idle_aging=inf", "policy.idle_aging=inf"):
         r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, bad])
         assert r.exit_code != 0 and "Traceback" not in r.output and "idle_aging" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
+    assert half_life() == 1.2 * 300  # a refused value changes nothing
     r = CliRunner().invoke(main, ["config", "--socket", daemon.socket, "--json"])
     assert float(json.loads(r.output)["settings"]["disk"]["idle_aging"]) == 1.2
 

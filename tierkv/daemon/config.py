@@ -236,8 +236,8 @@ def _check_disk(d: DiskConfig) -> None:
         raise ValueError("disk.workers must be between 1 and 64")
     if d.write_batch < 1:
         raise ValueError("disk.write_batch must be >= 1")
-    if not d.idle_aging >= 0 or d.idle_aging == float("inf"):
-        raise ValueError(f"disk.idle_aging must be >= 0, got {d.idle_aging!r}")
+    if not 0 <= d.idle_aging <= 100:
+        raise ValueError(f"disk.idle_aging must be between 0 and 100, got {d.idle_aging!r}")
     from tierkv.codecs import available_codecs
 
     if d.codec not in available_codecs():

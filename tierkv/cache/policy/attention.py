@@ -82,7 +82,7 @@ class AttentionPolicy(HeapPolicy):
         "fetch_latency_s": Setting(0.0, "latency of one read from the next tier", min=0.0),
         "reuse_weight": Setting(1.0, "exponent of the learned chance of a return (0 = off)", min=0.0),
         "idle_aging": Setting(0.0, "half-life of a block's value without a use, as a multiple of the mean "
-                              "idle time of the tier's victims (0 = the GDSF aging clock)", min=0.0),
+                              "idle time of the tier's victims (0 = the GDSF aging clock)", min=0.0, max=100.0),
     }
 
     def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None,
@@ -100,7 +100,6 @@ class AttentionPolicy(HeapPolicy):
         self._hand: list[Hashable] = []  # the blocks the refresh hand goes over, and where it is
         self._hand_i = 0
         self._idle = _IDLE_START_S
-        self.rescales = 0  # times every block was re-scored for a new tau
         super().__init__(**kwargs)
 
     def _settings_changed(self) -> None:
@@ -208,7 +207,6 @@ class AttentionPolicy(HeapPolicy):
         self._idle += _IDLE_WEIGHT * (self.clock() - scored[1] - self._idle)
         tau = max(_TAU_MIN_S, self._settings["idle_aging"] * self._idle)
         if abs(tau - self.tau) > _TAU_STEP * self.tau:
-            self.rescales += 1
             self.tau = tau
             prio = self._prio
             for k, (lv, t) in self._scored.items():
