@@ -269,3 +269,78 @@ def test_preempted_requests_resume_with_identical_output(stack):
         t.join(600)
     assert metric(stack.server, "vllm:num_preemptions_total") > preempted
     assert [out[i].text for i in range(len(convs))] == [a.text for a in alone]
+
+
+def _stats_metric(stack: Stack, name: str, at_least: float, timeout: float = 20.0) -> float:
+    """A connector counter on vLLM's /metrics once it reaches ``at_least`` (the counters arrive with
+    vLLM's periodic stats; a one-token request nudges them)."""
+    deadline = time.monotonic() + timeout
+    while metric(stack.server, name) < at_least and time.monotonic() < deadline:
+        stack.server.chat([{"role": "user", "content": "Hi"}], max_tokens=1)
+        time.sleep(0.5)
+    return metric(stack.server, name)
+
+
+def _restart_daemon(stack: Stack, faults: str | None = None) -> None:
+    """Restart the daemon (SIGTERM flushes the host tier to disk: the new daemon holds every block on
+    disk only), optionally with a disk fault rule, and wait until vLLM's connector is back."""
+    stack.daemon.stop()
+    stack.daemon.env.pop("TIERKV_FAULTS", None)
+    if faults:
+        stack.daemon.env["TIERKV_FAULTS"] = faults
+    stack.daemon.start()
+    stack.server.reset_prefix_cache()
+    time.sleep(1.5)  # the connector finds a restarted daemon within a second
+
+
+def test_a_prefix_only_on_disk_loads_asynchronously_with_identical_output(stack):
+    msgs = chat("granary")
+    ref = stack.server.chat(msgs)
+    before = metric(stack.server, "vllm:tierkv_async_loads_total")
+    _restart_daemon(stack)
+    assert stack.daemon.stats()["tiers"]["host"]["blocks"] == 0
+    again = stack.server.chat(msgs)
+    assert again.text == ref.text and again.cached_tokens == (ref.prompt_tokens - 1) // BT * BT > 0
+    assert _stats_metric(stack, "vllm:tierkv_async_loads_total", before + 1) >= before + 1
+    assert metric(stack.server, "vllm:tierkv_load_errors_total") == 0
+
+
+def test_requests_sharing_a_prefix_read_it_from_disk_once(stack):
+    sys_msgs = chat("saddlery")
+    ref = [stack.server.chat(sys_msgs[:1] + [{"role": "user", "content": q}]) for q in ("Hours?", "Fees?")]
+    _restart_daemon(stack)
+    n = (min(r.prompt_tokens for r in ref) - 1) // BT  # the shared system prompt's full blocks
+    out: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i, q=q: out.update(
+        {i: stack.server.chat(sys_msgs[:1] + [{"role": "user", "content": q}])})) for i, q in enumerate(("Hours?", "Fees?"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [out[i].text for i in range(2)] == [r.text for r in ref]
+    assert all(out[i].cached_tokens >= n * BT for i in range(2))
+    assert stack.daemon.stats()["tiers"]["disk"]["hits"] == n  # each block read from disk once
+
+
+def test_a_stalled_disk_ends_the_load_within_its_bound_and_vllm_recomputes(stack):
+    msgs = chat("cooperage")
+    ref = stack.server.chat(msgs, max_tokens=16)
+    _restart_daemon(stack, faults="read:sleep=60")
+    try:
+        t0 = time.monotonic()
+        again = stack.server.chat(msgs, max_tokens=16)
+        took = time.monotonic() - t0
+        assert again.text == ref.text and took < 20.0  # the bound, not the disk's 60 s
+        # the daemon killed while a load waits on the stalled disk: answered all the same
+        stack.server.reset_prefix_cache()
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(r=stack.server.chat(msgs, max_tokens=16)))
+        t.start()
+        time.sleep(0.3)
+        stack.daemon.kill()
+        t.join(120)
+        assert not t.is_alive() and result["r"].text == ref.text
+    finally:
+        stack.daemon.kill()
+        stack.daemon.env.pop("TIERKV_FAULTS", None)
+        stack.daemon.start()

@@ -70,7 +70,8 @@ def link(daemon) -> Link:
 
 
 def prefill(planner: Planner, req: Req, block_ids: list[int], computed: int = 0):
-    n = planner.matched_tokens(req, computed)
+    n, asynchronous = planner.matched_tokens(req, computed)
+    assert not asynchronous  # these prefixes are in host memory: loaded inside the step
     planner.allocated(req, block_ids, n)
     step = Step([NewReq(req.request_id, (block_ids,), computed + n)], Cached(),
                 {req.request_id: req.num_tokens - computed - n})
@@ -104,7 +105,7 @@ def test_at_least_one_token_is_left_to_compute_and_short_prompts_store_nothing(d
     _, plan = prefill(planner, Req("full", tokens), [0, 1])
     Transfers(link(daemon), pages()).store(plan.stores)
     # Two cached blocks, but the prompt is exactly two blocks: the last token must be computed.
-    assert planner.matched_tokens(Req("again", tokens), 0) == BT
+    assert planner.matched_tokens(Req("again", tokens), 0) == (BT, False)
     _, plan = prefill(planner, Req("short", list(range(BT - 1))), [3])
     assert not plan.stores and not plan.loads
 
@@ -116,9 +117,9 @@ def test_cache_salt_starts_another_chain(daemon):
     _, plan = prefill(planner, Req("t1", tokens, cache_salt="alpha"), [0, 1, 2])
     Transfers(link(daemon), pages()).store(plan.stores)
     assert plan.stores[0].keys[0] == chain_keys(ns.fingerprint, tokens, BT, salt_root(ns.fingerprint, "alpha"))[0]
-    assert planner.matched_tokens(Req("t2", tokens, cache_salt="alpha"), 0) == 2 * BT
-    assert planner.matched_tokens(Req("t3", tokens, cache_salt="beta"), 0) == 0
-    assert planner.matched_tokens(Req("t4", tokens), 0) == 0
+    assert planner.matched_tokens(Req("t2", tokens, cache_salt="alpha"), 0) == (2 * BT, False)
+    assert planner.matched_tokens(Req("t3", tokens, cache_salt="beta"), 0) == (0, False)
+    assert planner.matched_tokens(Req("t4", tokens), 0) == (0, False)
 
 
 def test_decode_stores_each_block_as_it_fills_and_a_resumed_request_gets_new_block_ids(daemon):
@@ -162,7 +163,7 @@ def test_without_a_daemon_everything_is_a_miss_and_the_link_comes_back(daemon_fa
     d = daemon_factory(start=False)
     lk = Link(d.socket, model="vllm-plan", layout=LAYOUT)
     planner = Planner(lk, Namespace("vllm-plan", LAYOUT), BT)
-    assert planner.matched_tokens(Req("x", list(range(3 * BT))), 0) == 0
+    assert planner.matched_tokens(Req("x", list(range(3 * BT))), 0) == (0, False)
     t = Transfers(lk, pages())
     _, plan = prefill(planner, Req("y", list(range(2 * BT + 1))), [0, 1, 2])
     t.store(plan.stores)
@@ -175,7 +176,7 @@ def test_without_a_daemon_everything_is_a_miss_and_the_link_comes_back(daemon_fa
     d.kill()
     d.start()  # the connection is broken: found at the next call and made again at once
     old = lk.get()
-    assert planner.matched_tokens(Req("z2", list(range(5, 5 + 2 * BT + 1))), 0) in (0, 2 * BT)
+    assert planner.matched_tokens(Req("z2", list(range(5, 5 + 2 * BT + 1))), 0)[0] in (0, 2 * BT)
     assert lk.get() is not None and lk.get() is not old
 
 

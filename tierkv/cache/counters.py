@@ -20,6 +20,8 @@ class TierCounters:
     errors: int = 0
     bytes_logical: int = 0
     bytes_stored: int = 0
+    dropped_unwritten: int = 0
+    prefetches: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Plain dict of every counter."""

@@ -124,6 +124,18 @@ class HostPlacement:
             self.drop(self.table.blocks[fk])
         return len(victims)
 
+    def drop_unwritten(self, nbytes: int) -> int:
+        """Drop dirty blocks (in the policy's order) for ``nbytes`` of new slots without writing them: a
+        store must not wait for the disk writer, and a block the writer could not reach in time is a
+        later miss, never a stalled step. Blocks in use or pinned stay. Returns blocks dropped."""
+        victims = self.policy.victims(nbytes, self.protected) or ()
+        for fk in victims:
+            b = self.table.blocks[fk]
+            if not b.on_disk and self.has_disk:
+                self.stats.dropped_unwritten += 1
+            self.drop(b)
+        return len(victims)
+
     def make_room(self, nbytes: int) -> int:
         """Evict so ``nbytes`` of new slots fit under the limit (a large put would otherwise walk the
         policy once per slot); returns blocks dropped."""

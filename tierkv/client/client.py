@@ -37,7 +37,7 @@ class Client(Connection):
 
     # ---- convenience layer ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor | np.ndarray, durable: bool = False,
-            tier: str | None = None) -> int:
+            tier: str | None = None, timeout: float | None = None) -> int:
         """Store blocks ``[n, 2, layers, kv_heads, block_tokens, head_dim]`` under ``keys``.
 
         Returns once committed (with ``durable=True``: once synced to the disk tier, which survives a
@@ -46,6 +46,11 @@ class Client(Connection):
         memory and disk in the background); by default CUDA tensors go there when the daemon has a GPU.
         A durable host put larger than a chunk (or than a quarter of the host tier) streams through
         the host tier to disk in chunks.
+
+        A full host tier makes room from clean blocks first. ``timeout`` bounds the wait for the disk
+        writer to clean more (None: the daemon's ``server.slot_wait_s``); past it, or at once with
+        ``timeout=0``, blocks not yet written to disk are dropped to make room (later misses, never a
+        stalled caller).
 
         Returns:
             How many blocks were new.
@@ -60,13 +65,13 @@ class Client(Connection):
             return 0
         chunks = durable_chunks(len(keys), self.layout.block_bytes, self._pool_bytes) if durable else []
         if tier == "gpu" or len(chunks) <= 1:
-            return self._store(keys, src, durable, tier)
+            return self._store(keys, src, durable, tier, timeout=timeout)
         # A large durable put streams: each chunk's disk write is queued at its commit, and the copy of
         # the next chunk overlaps it; one SYNC then waits for them all.
         new = 0
         try:
             for lo, hi in chunks:
-                new += self._store(keys[lo:hi], src[lo:hi], True, tier, wait=False)
+                new += self._store(keys[lo:hi], src[lo:hi], True, tier, wait=False, timeout=timeout)
         except BaseException:
             try:
                 self._call(Op.SYNC, {})  # leave no pending write behind for a later put to report
@@ -76,11 +81,15 @@ class Client(Connection):
         self._call(Op.SYNC, {})
         return new
 
-    def _store(self, keys: list[bytes], src: torch.Tensor, durable: bool, tier: str, wait: bool = True) -> int:
+    def _store(self, keys: list[bytes], src: torch.Tensor, durable: bool, tier: str, wait: bool = True,
+               timeout: float | None = None) -> int:
         """ALLOC, copy the blocks not cached yet into their slots, COMMIT (ABORT if the copy fails)."""
         # A durable put writes every block, cached or not: a cached copy may live in host memory only,
         # and COMMIT makes durable exactly the keys it is given.
-        offsets = self._call(Op.ALLOC, {"n": len(keys), "keys": None if durable else keys, "tier": tier})["slots"]
+        body: dict[str, Any] = {"n": len(keys), "keys": None if durable else keys, "tier": tier}
+        if timeout is not None:
+            body["timeout"] = _seconds(timeout)
+        offsets = self._call(Op.ALLOC, body)["slots"]
         todo = [i for i, off in enumerate(offsets) if off is not None]
         slots = [offsets[i] for i in todo]
         try:
@@ -162,13 +171,20 @@ class Client(Connection):
         return list(self._call(Op.LOOKUP, {"keys": check_keys(keys), "tiers": True})["tiers"])
 
     # ---- zero-copy layer --------------------------------------------------------------------------
-    def alloc(self, n: int, tier: str = "host") -> Slots:
+    def alloc(self, n: int, tier: str = "host", timeout: float | None = None) -> Slots:
         """Allocate ``n`` slots to write new blocks into, in place (``slots.views[i]``); ``tier="gpu"``
-        gives device views in the GPU tier (finish writing, e.g. synchronise the stream, before commit)."""
+        gives device views in the GPU tier (finish writing, e.g. synchronise the stream, before commit).
+
+        A full host tier makes room at once (clean blocks first, then blocks not yet written to disk);
+        only while every block is in use does it wait, at most ``timeout`` seconds (None: the daemon's
+        ``server.slot_wait_s``), then raise :class:`~tierkv.core.errors.TierFull`."""
         if not isinstance(n, int) or n < 0:
             raise BadRequest("n must be a non-negative int")
         tier = self._pick_tier(tier, None)
-        return Slots(self, self._call(Op.ALLOC, {"n": n, "tier": tier})["slots"], tier)
+        body: dict[str, Any] = {"n": n, "tier": tier}
+        if timeout is not None:
+            body["timeout"] = _seconds(timeout)
+        return Slots(self, self._call(Op.ALLOC, body)["slots"], tier)
 
     def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False) -> int:
         """Publish written slots under ``keys`` (immutable from now on); duplicates are deduplicated.
@@ -346,3 +362,10 @@ class Client(Connection):
     def ping(self) -> dict[str, Any]:
         """Round trip to the daemon."""
         return self._call(Op.PING, {})
+
+
+def _seconds(timeout: object) -> float:
+    """A wait bound as float seconds within 0..3600 (ValueError otherwise)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 3600:
+        raise ValueError(f"timeout must be seconds within 0..3600, got {timeout!r}")
+    return float(timeout)

@@ -119,8 +119,16 @@ class BlockStore:
             return "gpu"
         raise BadRequest(f"tier must be 'host' or 'gpu', got {tier!r}")
 
-    def host_slot(self, slot: int, wait: bool = True) -> int:
-        """A host slot, evicting clean blocks (or, with ``wait``, waiting for write-back). Lock held."""
+    def host_slot(self, slot: int, wait: bool = True, timeout: float | None = None, drop_dirty: bool = True) -> int:
+        """A host slot, evicting clean blocks first. With ``timeout`` 0 a request never waits: blocks
+        not yet written to disk are dropped unwritten to make room. Otherwise it waits (with ``wait``)
+        up to ``timeout`` seconds (None: ``server.slot_wait_s``) for the writer to clean blocks, then
+        drops unwritten ones. ``drop_dirty`` False: only clean blocks ever make room (a prefetch must
+        not cost a block its disk copy). Lock held.
+
+        Raises:
+            TierFull: every block is leased, moving or pinned (after the wait), or the daemon is closing.
+        """
         hp = self.hostp
         deadline = None
         while True:
@@ -134,14 +142,17 @@ class BlockStore:
             if hp.evict_for(slot):
                 self.changed.notify_all()
                 continue
-            if not wait:
-                raise TierFull("host tier has no clean block to evict right now")
+            now = time.monotonic()
             if deadline is None:
-                deadline = time.monotonic() + 30.0
+                deadline = now + (self.cfg.server.slot_wait_s if timeout is None else max(0.0, timeout))
+            if drop_dirty and now >= deadline and hp.drop_unwritten(slot):
+                self.changed.notify_all()
+                self.evictor.kick()
+                continue
+            if not wait or now >= deadline or not hp.evictable_exists():
+                raise TierFull("host tier is full: every block is leased, moving or pinned")
             self.evictor.kick(force=True)
-            if time.monotonic() > deadline or not hp.evictable_exists():
-                raise TierFull("host tier is full: every block is leased or pinned")
-            self.changed.wait(0.05)
+            self.changed.wait(min(0.05, max(0.001, deadline - now)))
 
     def host_tensor(self, offset: int, nbytes: int) -> Any:
         """A torch view of a host slot, sliced from one tensor over the whole pool: slots adjacent in
@@ -194,9 +205,11 @@ class BlockStore:
             self.changed.notify_all()
 
     # ---- store path -------------------------------------------------------------------------------
-    def alloc(self, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host") -> list[int | None]:
-        """Slots of ``tier`` for ``n`` new blocks (None where ``keys[i]`` is already cached)."""
-        return self.store_path.alloc(s, self.ns(s), n, keys, tier)
+    def alloc(self, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host",
+              timeout: float | None = None) -> list[int | None]:
+        """Slots of ``tier`` for ``n`` new blocks (None where ``keys[i]`` is already cached); a host slot
+        waits at most ``timeout`` seconds for blocks in use (None: ``server.slot_wait_s``)."""
+        return self.store_path.alloc(s, self.ns(s), n, keys, tier, timeout)
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
                tier: str = "host", wait: bool = True) -> int:

@@ -36,6 +36,9 @@ class ServerConfig:
     as many blocks, beyond that lookups go through the socket). 0: every lookup goes through the socket."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long to wait for in-flight writes and the shutdown flush."""
+    slot_wait_s: float = 30.0
+    """Longest wait for a host slot when every block is in use (leased, moving or pinned); a caller may
+    ask for less (the vLLM connector's stores ask for none: a store that finds no room is skipped)."""
     flush_on_shutdown: bool = True
     """On SIGTERM, write host-tier blocks that are not yet on disk to the disk tier (a warm next start)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -72,6 +75,8 @@ class HostConfig:
     that a burst of stores finds clean blocks to evict and never waits for the disk."""
     write_behind_above: float = 0.5
     """Write behind only while the host tier is fuller than this share of its capacity."""
+    prefetch_fraction: float = 0.25
+    """Blocks prefetched for queued requests and not used yet hold at most this share of the tier."""
 
 
 @dataclass
@@ -208,6 +213,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ValueError("server.max_frame_bytes must be >= 4096")
     if s.drain_timeout_s < 0:
         raise ValueError("server.drain_timeout_s must be >= 0")
+    if not 0 <= s.slot_wait_s <= 3600:
+        raise ValueError("server.slot_wait_s must be within 0..3600")
     if s.sample_interval_s < 0 or not 1 <= s.sample_count <= 1 << 20:
         raise ValueError("server.sample_interval_s must be >= 0 and server.sample_count within 1..2^20")
     if s.metrics_addr:
@@ -224,6 +231,8 @@ def _check_host(h: HostConfig) -> None:
     _check_watermarks("host", h.low_watermark, h.high_watermark)
     if not 0 <= h.write_behind_above <= 1:
         raise ValueError("host.write_behind_above must be within 0..1")
+    if not 0 <= h.prefetch_fraction <= 1:
+        raise ValueError("host.prefetch_fraction must be within 0..1")
     if not 0 <= h.max_pinned_fraction <= 1:
         raise ValueError("host.max_pinned_fraction must be within 0..1")
 

@@ -12,6 +12,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tierkv.table")
 
+# A write-behind batch takes at most this share of the host tier: the blocks it holds are pinned until
+# written, and the rest of the tier must keep blocks a store can drop when the writer falls behind.
+WRITE_BEHIND_SHARE = 1 / 8
+
 
 class Evictor:
     """Runs when kicked (a store filled the tier, a write finished) and every half second."""
@@ -78,6 +82,7 @@ class Evictor:
         if self._wb_job is not None and not self._wb_job.done.is_set():
             return  # one batch at a time; its completion wakes the evictor for the next
         with st.lock:
-            victims = st.hostp.write_behind_batch(st.engine.write_batch_bytes)
+            batch = min(st.engine.write_batch_bytes, int(st.hostp.limit * WRITE_BEHIND_SHARE))
+            victims = st.hostp.write_behind_batch(batch)
             if victims:
                 self._wb_job = st.transfers.store(victims)

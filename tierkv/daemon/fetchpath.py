@@ -24,6 +24,7 @@ class FetchPath:
 
     def __init__(self, st: BlockStore) -> None:
         self.st = st
+        self._warm: dict[bytes, tuple[Block, int]] = {}  # prefetched, not used since: (block, its hits then)
 
     def lookup(self, s: Session, keys: list[bytes]) -> list[str]:
         """Tier of each leading cached block; stops at the first miss."""
@@ -161,22 +162,41 @@ class FetchPath:
 
     # ---- prefetch and plan ------------------------------------------------------------------------
     def prefetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
-        """Promote the disk-only blocks of the cached prefix into host memory; returns loads started."""
+        """Promote the disk-only blocks of the cached prefix into host memory; returns loads started.
+
+        Prefetched blocks not used yet hold at most ``host.prefetch_fraction`` of the host tier, and
+        room is made only from clean blocks no one is using: a queue of announced requests never
+        evicts what running requests lease, nor costs a block its disk copy."""
         st = self.st
         slot = slot_size_for(ns.layout.block_bytes)
         loads: list[Block] = []
         with st.lock:
+            room = self._prefetch_room(slot)
             for b in st.table.prefix(s.fp, keys):
                 if b.host_off is None and b.on_disk:
+                    if room <= 0:
+                        break
                     try:
-                        b.host_off = st.host_slot(slot, wait=False)
+                        b.host_off = st.host_slot(slot, wait=False, drop_dirty=False)
                     except TierFull:
                         break
                     st.transfers.start_loads([b])
                     loads.append(b)
+                    self._warm[b.fk] = (b, b.hits)
+                    room -= 1
             if loads:
+                st.hostp.stats.prefetches += len(loads)
                 st.transfers.load(ns, loads)
         return len(loads)
+
+    def _prefetch_room(self, slot: int) -> int:
+        """Blocks a prefetch may still bring in under the budget (forgets blocks used or gone). Lock held."""
+        hp = self.st.hostp
+        for fk, (b, hits) in list(self._warm.items()):
+            if b.host_off is None or b.hits != hits or b.leases > 0:
+                del self._warm[fk]
+        budget = int(self.st.cfg.host.prefetch_fraction * hp.limit) // max(slot, 1)
+        return budget - len(self._warm)
 
     def plan(self, s: Session, ns: Namespace, keys: list[bytes]) -> dict:
         """Where each leading cached block is, whether it is ready in host memory, and how many leading

@@ -71,7 +71,11 @@ class Handlers:
         if keys is not None:
             keys = validate_keys(keys)
         n = body.get("n", len(keys) if keys is not None else 0)
-        return {"slots": self.store.alloc(s, n, keys, body.get("tier", "host"))}
+        timeout = body.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout <= 3600):
+            raise BadRequest(f"timeout must be seconds within 0..3600 or None, got {timeout!r}")
+        return {"slots": self.store.alloc(s, n, keys, body.get("tier", "host"), timeout)}
 
     def commit(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Publish written slots under their keys."""

@@ -31,6 +31,9 @@ _TIER_COUNTERS = (
     ("promotions", "promotions", "Blocks moved into the tier from a colder one."),
     ("corrupt", "corrupt_values", "Values that failed their checksum or header check (served as misses)."),
     ("errors", "errors", "I/O or transport errors of the tier."),
+    ("dropped_unwritten", "dropped_unwritten", "Blocks dropped before their write to a colder tier: a store "
+     "needed room faster than the writer could clean blocks."),
+    ("prefetches", "prefetches", "Blocks brought into the tier ahead of use for queued requests."),
 )
 _BREAKER_STATES = ("up", "read-only", "down")
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)

@@ -32,8 +32,11 @@ class StorePath:
         self.st = st
 
     # ---- alloc ------------------------------------------------------------------------------------
-    def alloc(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, tier: object) -> list[int | None]:
-        """Slots for ``n`` new blocks (None where ``keys[i]`` is already cached: nothing to write)."""
+    def alloc(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, tier: object,
+              timeout: float | None = None) -> list[int | None]:
+        """Slots for ``n`` new blocks (None where ``keys[i]`` is already cached: nothing to write); a
+        full host tier drops blocks rather than wait for the disk writer, and waits at most ``timeout``
+        seconds for blocks in use."""
         st = self.st
         if not isinstance(n, int) or n < 0:
             raise BadRequest("n must be a non-negative int")
@@ -48,7 +51,8 @@ class StorePath:
             new = n if keys is None else sum(1 for k in keys if (s.fp + k) not in st.table)
             if st.hostp.make_room(new * slot):
                 st.changed.notify_all()
-            return self._take_slots(s, n, keys, slot, lambda: st.host_slot(slot), s.slots, st.host.free)
+            return self._take_slots(s, n, keys, slot, lambda: st.host_slot(slot, timeout=timeout), s.slots,
+                                    st.host.free)
 
     def _alloc_gpu(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, slot: int) -> list[int | None]:
         st = self.st

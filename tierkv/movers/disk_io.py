@@ -59,6 +59,9 @@ class DiskMover:
         self._decode = decode
         self._make_room = make_room
         self._orphans: list[bytes] = []  # evicted by the table, still in LMDB (their delete failed)
+        # Bytes committed to LMDB whose jobs have not finished: the table counts a value once its job's
+        # sync is done, so room for the next transaction must count these too.
+        self._unsettled = 0
         self._stores: queue.Queue[Job | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
@@ -152,6 +155,7 @@ class DiskMover:
         self._book.link_seconds["host->disk"] += time.perf_counter() - t0
         for job, _ in jobs:
             self._book.finish(job)
+        self._unsettled = 0  # the finished jobs' values are counted by the table now
 
     def _encode_ahead(self) -> None:
         """Start encoding the first batch of the next queued store while this one is written."""
@@ -198,12 +202,13 @@ class DiskMover:
         puts = [(m.lmdb_key, b) for m, b in zip(moves, blobs) if b is not None]
         incoming = sum(len(b) for _, b in puts)
         # Values the table evicted while a failed write held them are deleted with the next one.
-        deletes = self._orphans + (self._make_room(incoming) if self._make_room else [])
+        deletes = self._orphans + (self._make_room(incoming + self._unsettled) if self._make_room else [])
         # Admit block by block: one large request would pass a full bucket at once.
         for _, blob in puts:
             self._budgets.acquire("host<->disk", len(blob))
         with self._budgets.transfer("host<->disk", 0):
             self._commit(puts, deletes)
+        self._unsettled += incoming
         for m, b in zip(moves, blobs):
             m.ok = b is not None
             m.stored_bytes = len(b) if b is not None else 0

@@ -10,10 +10,13 @@ Load it with::
 ``model_id`` (the namespace's model name; default the model directory's name or the hub id).
 
 The scheduler side (:class:`~tierkv.integrations.vllm.plan.Planner`) finds each request's cached
-prefix in the shared lookup index and plans one load and one store pass per step; the worker side
-(:class:`~tierkv.integrations.vllm.transfer.Transfers`) runs them against vLLM's pages. A block that
-cannot be loaded is recomputed by vLLM (the connector sets ``kv_load_failure_policy`` to
-``recompute``); with the daemon absent, vLLM serves as if the connector were not there.
+prefix in the shared lookup index, starts promoting the disk blocks of requests as they enter the
+queue, and plans the loads and one store pass per step; the worker side
+(:class:`~tierkv.integrations.vllm.transfer.Transfers`) runs them against vLLM's pages. A prefix in
+host memory loads inside the step; one partly on disk loads beside it (vLLM parks the request until
+:meth:`TierKVConnector.get_finished` reports it). A block that cannot be loaded is recomputed by vLLM
+(the connector sets ``kv_load_failure_policy`` to ``recompute``); with the daemon absent, vLLM serves
+as if the connector were not there.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout, dtype_name
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages, cpu_layout_ok
-from tierkv.integrations.vllm.plan import BlockIO, Planner
+from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter
 from tierkv.integrations.vllm.stats import TierKVConnectorStats, TierKVPromMetrics
 from tierkv.integrations.vllm.transfer import Transfers
 
@@ -106,11 +109,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._model = _model_id(vllm_config, extra)
         self._head_dim = self._layout.head_dim if self._layout else 0
         self._planner: Planner | None = None
+        self._meter: PrefillMeter | None = None
         self._transfers: Transfers | None = None
         if role == KVConnectorRole.SCHEDULER and self._layout is not None:
             link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=0, tp_size=self._tp_size)
             ns = Namespace(self._model, self._layout, 0, self._tp_size)
             self._planner = Planner(link, ns, self._layout.block_tokens)
+            self._meter = PrefillMeter(lambda tokens, seconds: link.call(
+                lambda c: c.report_recompute(tokens, seconds)))
 
     # ---- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -131,15 +137,25 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
-        link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size,
+        args = dict(model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size,
                     announce=False)  # the scheduler side says when the daemon goes and comes back
-        self._transfers = Transfers(link, pages)
+        self._transfers = Transfers(Link(self._socket, **args), pages,  # type: ignore[arg-type]
+                                    async_link=Link(self._socket, **args))  # type: ignore[arg-type]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Load this step's blocks into vLLM's pages (all requests, all layers, one pass)."""
+        """Load this step's in-host blocks into vLLM's pages (all requests, all layers, one pass) and
+        start the asynchronous loads of prefixes partly on disk."""
         meta = self._get_connector_metadata()
         if self._transfers is not None and isinstance(meta, TierKVConnectorMetadata):
-            self._transfers.load(meta.loads)
+            self._transfers.load([io for io in meta.loads if io.wait_s is None])
+            self._transfers.start_async([io for io in meta.loads if io.wait_s is not None])
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads finished (their missing blocks are reported as load errors
+        in the same step); tierkv never holds vLLM's blocks after a request ends."""
+        if self._transfers is None:
+            return None, None
+        return None, self._transfers.take_done() or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in :meth:`start_load_kv`: nothing to wait for per layer."""
@@ -168,13 +184,21 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         for side in (self._planner, self._transfers):
             if side is not None:
                 side.link.close()
+        if self._transfers is not None and self._transfers.asyncs is not None:
+            self._transfers.asyncs.link.close()
 
     # ---- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens tierkv can load beyond vLLM's own prefix hit (loaded synchronously in the step)."""
+        """Tokens tierkv can load beyond vLLM's own prefix hit, and whether they load asynchronously
+        (part of the prefix is not in host memory)."""
         if self._planner is None:
             return 0, False
-        return self._planner.matched_tokens(request, num_computed_tokens), False
+        return self._planner.matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Any) -> None:
+        """A request entered the queue: the daemon starts promoting its cached prefix's disk blocks."""
+        if self._planner is not None:
+            self._planner.queued(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Remember the request's blocks and plan the load of its external tokens."""
@@ -185,6 +209,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """This step's loads and stores for the workers."""
         if self._planner is None:
             return TierKVConnectorMetadata()
+        if self._meter is not None:
+            self._meter.step(scheduler_output.num_scheduled_tokens)
         plan = self._planner.step(scheduler_output)
         return TierKVConnectorMetadata(loads=plan.loads, stores=plan.stores)
 

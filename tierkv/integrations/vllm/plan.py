@@ -1,5 +1,12 @@
 """The scheduler side of the vLLM connector as plain code: which blocks a request loads from tierkv,
-and which blocks each step stores.
+whether the load runs inside the step or beside it, and which blocks each step stores.
+
+A prefix all in host memory loads inside the step (one copy). One that is partly on disk or in the
+remote tier loads asynchronously: the daemon starts promoting it at once, vLLM parks the request
+(``WAITING_FOR_REMOTE_KVS``) and runs others, and the worker reports the request when its blocks are in
+vLLM's pages, or when the bound runs out (what arrived is used, vLLM recomputes the rest). The bound
+is the time recomputing the same tokens would take, by the daemon's cost model, so a load never makes
+a request wait longer than not having the cache would.
 
 It knows vLLM only through a few attributes (a request's ``request_id``, ``all_token_ids``,
 ``num_tokens``, ``cache_salt``; a scheduler output's new and cached requests), does no I/O of its
@@ -10,6 +17,8 @@ from the daemon's shared lookup index, so the scheduling hot path makes no round
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +26,10 @@ from tierkv.core.errors import TierKVError
 from tierkv.core.keys import KEY_BYTES, Namespace, chain_keys
 from tierkv.integrations.vllm.link import Link
 
-__all__ = ["BlockIO", "Planner", "StepPlan", "salt_root"]
+__all__ = ["BlockIO", "Planner", "PrefillMeter", "StepPlan", "salt_root"]
+
+ASYNC_WAIT_MIN_S = 0.5   # the least an asynchronous load may take (a disk read of a few blocks)
+ASYNC_WAIT_MAX_S = 30.0  # the most, whatever the cost model says
 
 
 def salt_root(fingerprint: bytes, salt: str | None) -> bytes | None:
@@ -31,11 +43,15 @@ def salt_root(fingerprint: bytes, salt: str | None) -> bytes | None:
 
 @dataclass(slots=True)
 class BlockIO:
-    """Blocks of one request to move between tierkv (``keys``) and vLLM (``block_ids``)."""
+    """Blocks of one request to move between tierkv (``keys``) and vLLM (``block_ids``).
+
+    ``wait_s`` marks an asynchronous load: the most seconds it may take before what arrived is used and
+    the rest recomputed (None: a load inside the step, or a store)."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    wait_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -56,6 +72,7 @@ class _Request:
     stored_blocks: int = 0        # leading blocks stored or found in tierkv
     load_from: int = 0            # first block of a pending load
     load: BlockIO | None = None
+    wait_s: float | None = None   # the pending load is asynchronous, bounded by this
 
 
 class Planner:
@@ -72,6 +89,7 @@ class Planner:
         self.fingerprint = namespace.fingerprint
         self.block_tokens = block_tokens
         self._reqs: dict[str, _Request] = {}
+        self._parked: list[BlockIO] = []  # asynchronous loads of requests vLLM does not schedule yet
 
     def _state(self, request: Any) -> _Request:
         st = self._reqs.get(request.request_id)
@@ -89,25 +107,54 @@ class Planner:
             st.keys.extend(chain_keys(self.fingerprint, list(tokens), bt, st.keys[-1] if st.keys else st.root))
         return st.keys[:n_blocks]
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` that tierkv can load (whole blocks; at least one token
-        of the request is always left to compute)."""
+        of the request is always left to compute), and whether the load is asynchronous (part of the
+        prefix is not in host memory: the daemon starts bringing it up now)."""
         st = self._state(request)
-        st.load = None
+        st.load, st.wait_s = None, None
         bt = self.block_tokens
         if num_computed_tokens % bt:
-            return 0
+            return 0, False
         keys = self._keys(st, (request.num_tokens - 1) // bt)
+        if not keys:
+            return 0, False
+        first = num_computed_tokens // bt
+        try:
+            hit = self.link.call(lambda c: c.lookup(keys)) or 0
+            plan = self.link.call(lambda c: c.lookup_plan(keys[:hit])) if hit > first else None
+        except TierKVError as exc:
+            self.link.drop(exc)
+            return 0, False
+        st.cached_blocks = max(st.cached_blocks, hit)
+        if plan is None:
+            return 0, False
+        n = min(int(plan["fetch"]), hit)
+        if n <= first:
+            return 0, False
+        st.load_from = first
+        if not all(plan["ready"][first:n]):
+            st.wait_s = _wait_bound(plan, n)
+            try:
+                self.link.call(lambda c: c.prefetch(keys[:n]))
+            except TierKVError as exc:
+                self.link.drop(exc)
+                return 0, False
+        return n * bt - num_computed_tokens, st.wait_s is not None
+
+    def queued(self, request: Any) -> int:
+        """A request entered vLLM's queue: start promoting its cached prefix's disk blocks into host
+        memory now (the daemon bounds what prefetches may hold); returns loads started."""
+        st = self._state(request)
+        keys = self._keys(st, (request.num_tokens - 1) // self.block_tokens)
         if not keys:
             return 0
         try:
             hit = self.link.call(lambda c: c.lookup(keys)) or 0
+            return (self.link.call(lambda c: c.prefetch(keys[:hit])) or 0) if hit else 0
         except TierKVError as exc:
             self.link.drop(exc)
             return 0
-        st.cached_blocks = max(st.cached_blocks, hit)
-        st.load_from = num_computed_tokens // bt
-        return max(0, hit * bt - num_computed_tokens)
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM gave the request ``block_ids`` (all of its blocks); plan the load of the external tokens."""
@@ -116,11 +163,15 @@ class Planner:
         if num_external_tokens <= 0:
             return
         first, n = st.load_from, num_external_tokens // self.block_tokens
-        st.load = BlockIO(request.request_id, st.keys[first:first + n], st.block_ids[first:first + n])
+        st.load = BlockIO(request.request_id, st.keys[first:first + n], st.block_ids[first:first + n], st.wait_s)
+        if st.wait_s is not None:  # vLLM parks the request: the load goes out with the next step
+            self._parked.append(st.load)
+            st.load = None
 
     def step(self, scheduler_output: Any) -> StepPlan:
         """The loads and stores of one scheduled step."""
-        plan = StepPlan()
+        plan = StepPlan(loads=self._parked)
+        self._parked = []
         counts = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -169,3 +220,51 @@ class Planner:
 
     def __len__(self) -> int:
         return len(self._reqs)
+
+
+def _wait_bound(plan: dict[str, Any], n: int) -> float:
+    """How long an asynchronous load of the plan's first ``n`` blocks may take: the seconds recomputing
+    its blocks would cost (the daemon's cost model), within the fixed floor and ceiling."""
+    recompute, blocks = 0.0, 0
+    for run in plan.get("runs", []):
+        if blocks >= n:
+            break
+        take = min(int(run["blocks"]), n - blocks)
+        if run["blocks"]:
+            recompute += float(run["recompute_s"]) * take / int(run["blocks"])
+        blocks += take
+    return min(ASYNC_WAIT_MAX_S, max(ASYNC_WAIT_MIN_S, recompute))
+
+
+class PrefillMeter:
+    """The engine's prefill speed, seen from the scheduler: tokens of each step over the time to the next
+    step, for steps whose requests carry on into the next (no idle gap), reported to the daemon's cost
+    model every ``every_s`` seconds.
+
+    Args:
+        report: called with (tokens, seconds) summed since the last report.
+        min_tokens: steps with fewer scheduled tokens (decode steps) are left out.
+        every_s: seconds between reports.
+        clock: time source.
+    """
+
+    def __init__(self, report: Callable[[int, float], object], min_tokens: int = 256, every_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.report, self.min_tokens, self.every_s, self.clock = report, min_tokens, every_s, clock
+        self._last: tuple[float, int, set[str]] | None = None
+        self._tokens, self._seconds = 0, 0.0
+        self._next = clock() + every_s
+
+    def step(self, scheduled: dict[str, int]) -> None:
+        """One step was scheduled with ``scheduled`` tokens per request id."""
+        now = self.clock()
+        last = self._last
+        if last is not None and last[1] >= self.min_tokens and last[2] & scheduled.keys():
+            self._tokens += last[1]
+            self._seconds += now - last[0]
+        self._last = (now, sum(scheduled.values()), set(scheduled))
+        if now >= self._next and self._tokens and self._seconds > 0:
+            tokens, seconds = self._tokens, self._seconds
+            self._tokens, self._seconds = 0, 0.0
+            self._next = now + self.every_s
+            self.report(tokens, seconds)

@@ -21,7 +21,12 @@ _PROM = {
     "load_s": ("vllm:tierkv_load_seconds", "Seconds spent loading KV from tierkv."),
     "store_s": ("vllm:tierkv_store_seconds", "Seconds spent storing KV into tierkv."),
     "load_errors": ("vllm:tierkv_load_errors", "Blocks that could not be loaded (vLLM recomputed them)."),
-    "store_errors": ("vllm:tierkv_store_errors", "Blocks that could not be stored (daemon absent or full)."),
+    "store_errors": ("vllm:tierkv_store_errors", "Blocks that could not be stored (daemon absent or failing)."),
+    "store_skipped": ("vllm:tierkv_store_skipped", "Blocks not stored: the host tier had no room to spare at once."),
+    "store_steps": ("vllm:tierkv_store_steps", "Steps whose store pass stored blocks."),
+    "async_loads": ("vllm:tierkv_async_loads", "Requests whose prefix loaded beside the forward pass."),
+    "async_hit_tokens": ("vllm:tierkv_async_hit_tokens", "Prompt tokens served by asynchronous loads."),
+    "async_wait_s": ("vllm:tierkv_async_wait_seconds", "Seconds asynchronous loads took, summed."),
 }
 
 
@@ -48,9 +53,12 @@ class TierKVConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         """The interval's totals, as vLLM's log line shows them."""
         c = self._counters()
-        return {"hit_tokens": c.hit_tokens, "stored_tokens": c.stored_tokens, "load_ms": round(c.load_s * 1e3, 1),
-                "store_ms": round(c.store_s * 1e3, 1), "load_errors": c.load_errors,
-                "store_errors": c.store_errors}
+        per_step = c.store_s / c.store_steps if c.store_steps else 0.0
+        return {"hit_tokens": c.hit_tokens, "async_hit_tokens": c.async_hit_tokens,
+                "stored_tokens": c.stored_tokens, "load_ms": round(c.load_s * 1e3, 1),
+                "store_ms": round(c.store_s * 1e3, 1), "store_ms_per_step": round(per_step * 1e3, 2),
+                "store_max_ms": round(c.store_max_s * 1e3, 1), "load_errors": c.load_errors,
+                "store_errors": c.store_errors, "store_skipped": c.store_skipped}
 
     def is_empty(self) -> bool:
         """Nothing happened in the interval."""
