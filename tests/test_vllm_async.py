@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import tierkv
 from tierkv.core.keys import Namespace
+from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter
 from tierkv.integrations.vllm.transfer import Transfers
 
@@ -205,3 +207,36 @@ def test_the_prefill_meter_reports_contiguous_prefill_steps_only():
     now[0] = 6.0
     m.step({"r2": 1})
     assert seen == [(2000, 1.0)]
+
+
+@pytest.mark.gpu
+def test_an_asynchronous_load_into_cuda_pages_runs_on_a_side_stream(daemon):
+    """CUDA pages: the load thread copies on its own stream and the blocks land exactly."""
+    src = _on_disk_only(daemon)
+    planner = Planner(link(daemon), NS, BT)
+    io = _park(planner, Req("cuda", TOKENS), [2, 3, 4, 5, 6])
+    dev = torch.device("cuda")
+    caches = [torch.zeros(16, 2, BT, 64, device=dev) for _ in range(2)]
+    t = Transfers(link(daemon), VllmPages(caches, 32), async_link=link(daemon))
+    assert t.asyncs is not None and t.asyncs._stream is not None
+    t.start_async([io])
+    done, errors, _ = _done(t)
+    assert done == {"cuda"} and not errors
+    torch.cuda.synchronize()
+    for layer, c in enumerate(caches):
+        for a, b in zip([0, 1, 2, 3], [2, 3, 4, 5]):
+            # the CPU pages keep K transposed; compare through the tierkv block both sides map to
+            ref = [torch.empty(LAYOUT.block_shape)]
+            src.gather([a], ref)
+            assert torch.equal(c[b, :, :, :32].cpu(), ref[0][0, layer])
+            assert torch.equal(c[b, :, :, 32:].cpu(), ref[0][1, layer])
+
+
+def test_a_request_whose_asynchronous_load_ended_short_never_waits_again(daemon):
+    """vLLM asks again for a request whose load failed; it gets only what is in host memory now."""
+    _on_disk_only(daemon, env={"TIERKV_FAULTS": "read:sleep=30"})
+    planner = Planner(link(daemon), NS, BT)
+    req = Req("short", TOKENS)
+    _park(planner, req, [1, 2, 3, 4, 5])
+    assert planner.matched_tokens(req, 0) == (0, False)  # still on the stalled disk: recompute
+    daemon.kill()

@@ -73,6 +73,7 @@ class _Request:
     load_from: int = 0            # first block of a pending load
     load: BlockIO | None = None
     wait_s: float | None = None   # the pending load is asynchronous, bounded by this
+    waited: bool = False          # an asynchronous load was sent: the request never waits twice
 
 
 class Planner:
@@ -133,7 +134,12 @@ class Planner:
         if n <= first:
             return 0, False
         st.load_from = first
-        if not all(plan["ready"][first:n]):
+        ready = plan["ready"]
+        if st.waited:  # its asynchronous load ended short: load what is in host memory now, if any
+            n = next((i for i in range(first, n) if not ready[i]), n)
+            if n <= first:
+                return 0, False
+        elif not all(ready[first:n]):
             st.wait_s = _wait_bound(plan, n)
             try:
                 self.link.call(lambda c: c.prefetch(keys[:n]))
@@ -166,7 +172,7 @@ class Planner:
         st.load = BlockIO(request.request_id, st.keys[first:first + n], st.block_ids[first:first + n], st.wait_s)
         if st.wait_s is not None:  # vLLM parks the request: the load goes out with the next step
             self._parked.append(st.load)
-            st.load = None
+            st.load, st.waited = None, True
 
     def step(self, scheduler_output: Any) -> StepPlan:
         """The loads and stores of one scheduled step."""
