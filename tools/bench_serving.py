@@ -14,7 +14,7 @@ sent twice after the load, equal vLLM alone's.
 
     tools/lmcache_env.sh                                 # LMCache's venv, once (or set LMCACHE_VENV)
     python tools/bench_serving.py                        # every configuration, workload and pressure
-    python tools/bench_serving.py --workloads trace --pressures full --requests 8   # a quick look
+    python tools/bench_serving.py --workloads trace --pressures full --requests 8 --trace-rate 1  # a smoke test
 """
 
 from __future__ import annotations
@@ -92,10 +92,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--configs", default="vllm,tierkv,lmcache", help="of: " + ",".join(configs.NAMES))
     ap.add_argument("--workloads", default="trace,chat,long", help="of: " + ",".join(workloads.NAMES))
     ap.add_argument("--pressures", default="full,quarter", help="of: " + ",".join(PRESSURES))
-    ap.add_argument("--requests", type=int, default=200, help="requests per workload")
-    ap.add_argument("--trace-rate", type=float, default=0.5, help="trace: mean requests/s (the clock stretched)")
-    ap.add_argument("--chat-rate", type=float, default=0.5, help="chat: mean requests/s")
-    ap.add_argument("--long-rate", type=float, default=0.1, help="long: requests/s")
+    ap.add_argument("--requests", type=int, default=200, help="requests of the trace and chat workloads")
+    ap.add_argument("--long-requests", type=int, default=60, help="requests of the long workload")
+    ap.add_argument("--trace-rate", type=float, default=0.25, help="trace: mean requests/s (the clock stretched)")
+    ap.add_argument("--chat-rate", type=float, default=0.15, help="chat: mean requests/s")
+    ap.add_argument("--long-rate", type=float, default=0.04, help="long: requests/s")
     ap.add_argument("--trace-start", type=int, default=workloads.TRACE_START, help="trace: first row of the window")
     ap.add_argument("--trace-chunk", type=int, default=16, help="trace: tokens per 512-token id")
     ap.add_argument("--max-output", type=int, default=16, help="output tokens per request, at most")
@@ -121,7 +122,8 @@ def main() -> None:
     report: dict = {"args": vars(args), "block_bytes": bb, "workloads": {}, "runs": []}
     try:
         for name in names:
-            wl = workloads.build(name, args.requests, rates[name], max_output=args.max_output, seed=args.seed,
+            count = args.long_requests if name == "long" else args.requests
+            wl = workloads.build(name, count, rates[name], max_output=args.max_output, seed=args.seed,
                                  trace_start=args.trace_start, trace_chunk=args.trace_chunk)
             summary = wl.summary()
             summary["working_set_bytes"] = summary["working_set_blocks"] * bb
