@@ -28,7 +28,7 @@ from pathlib import Path
 
 import _serving_configs as configs
 import _serving_workloads as workloads
-from _serving_client import run_client
+from _serving_client import run_client, scrape
 from _serving_report import print_tables
 
 from tierkv.integrations.model import ensure_converted
@@ -78,12 +78,18 @@ def run_one(cfg: str, wl: workloads.Workload, pressure: str, args: argparse.Name
             out["start_s"] = time.monotonic() - t0
             out["client"] = run_client(server.url, model, server.name, wl, run / "trace.jsonl",
                                        run / "result.json", run / "client.log")
+            before = scrape(server.url)
             out["greedy"] = greedy_replies(server, args.check_prompts, args.check_tokens)
+            after = scrape(server.url)
+            out["greedy_counters"] = {k: after[k] - before[k] for k in after}
     except Exception as e:  # noqa: BLE001 - a configuration that fails is reported, the others still run
         out["error"] = f"{type(e).__name__}: {e}"
         print(f"[{wl.name}/{pressure}/{cfg}] FAILED: {out['error']}", flush=True)
     out["wall_s"] = time.monotonic() - t0
-    print(f"[{wl.name}/{pressure}/{cfg}] done in {out['wall_s']:.0f} s", flush=True)
+    check = out.get("greedy_counters", {})
+    print(f"[{wl.name}/{pressure}/{cfg}] done in {out['wall_s']:.0f} s (start {out.get('start_s', 0):.0f} s); "
+          f"greedy check: {check.get('vllm:external_prefix_cache_hits', 0):.0f} of "
+          f"{check.get('vllm:prompt_tokens', 0):.0f} prompt tokens from the connector", flush=True)
     return out
 
 
