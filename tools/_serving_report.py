@@ -1,0 +1,78 @@
+"""The serving benchmark's tables: one per workload and pressure, figures then ratios."""
+
+from __future__ import annotations
+
+COLUMNS = (  # (heading, width, key of figures())
+    ("config", 8, "config"), ("TTFT p50", 9, "ttft_p50_ms"), ("p99", 8, "ttft_p99_ms"),
+    ("TPOT p50", 9, "tpot_p50_ms"), ("p99", 8, "tpot_p99_ms"), ("ITL p99", 8, "itl_p99_ms"),
+    ("req/s", 7, "requests_per_s"), ("out tok/s", 9, "output_tokens_per_s"),
+    ("cached %", 8, "cached_pct"), ("device", 8, "device_hit_tokens"), ("connector", 9, "connector_hit_tokens"),
+    ("failed", 6, "failed"), ("greedy diff", 11, "greedy_diff"),
+)
+RATIOS = (("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"), ("TPOT p50", "tpot_p50_ms"),
+          ("req/s", "requests_per_s"), ("out tok/s", "output_tokens_per_s"))
+
+
+def figures(run: dict, reference: list[str] | None) -> dict:
+    """A run's figures: latencies in ms from vLLM's client, cached prompt tokens from vLLM's counters."""
+    c = run["client"]
+    n = run["client"]["counters"]
+    prompt = c.get("total_input_tokens") or 0
+    device, connector = n["vllm:prefix_cache_hits"], n["vllm:external_prefix_cache_hits"]
+    greedy = run.get("greedy") or []
+    diff = sum(a != b for a, b in zip(greedy, reference or greedy, strict=False))
+    return {"config": run["config"], "ttft_p50_ms": c["p50_ttft_ms"], "ttft_p99_ms": c["p99_ttft_ms"],
+            "tpot_p50_ms": c["p50_tpot_ms"], "tpot_p99_ms": c["p99_tpot_ms"], "itl_p99_ms": c["p99_itl_ms"],
+            "requests_per_s": c["request_throughput"], "output_tokens_per_s": c["output_throughput"],
+            "prompt_tokens": prompt, "device_hit_tokens": int(device), "connector_hit_tokens": int(connector),
+            "tierkv_hit_tokens": int(n["vllm:tierkv_hit_tokens"]),
+            "cached_pct": 100.0 * (device + connector) / prompt if prompt else 0.0,
+            "completed": c.get("completed", 0), "failed": c.get("failed", 0),
+            "greedy_diff": f"{diff}/{len(greedy)}"}
+
+
+def _cell(v: object, width: int) -> str:
+    if isinstance(v, float):
+        return f"{v:{width}.{2 if abs(v) < 10 else 1 if abs(v) < 1000 else 0}f}"
+    return f"{v!s:>{width}}"
+
+
+def print_tables(report: dict) -> None:
+    """Print one table per workload and pressure, and store each run's figures under ``"figures"``."""
+    runs = report["runs"]
+    for name, wl in report["workloads"].items():
+        pressures = dict.fromkeys(r["pressure"] for r in runs if r["workload"] == name and r["config"] != "vllm")
+        base = next((r for r in runs if r["workload"] == name and r["config"] == "vllm"), None)
+        for pressure in pressures or [base["pressure"] if base else "full"]:
+            rows = [r for r in runs if r["workload"] == name and (r["pressure"] == pressure or r is base)]
+            ref_run = base if base and "greedy" in base else next((r for r in rows if "greedy" in r), None)
+            reference = ref_run["greedy"] if ref_run else None
+            print(f"\n{name}, host tier {pressure} ({PRESSURE_WORDS.get(pressure, pressure)}): "
+                  f"{wl['requests']} requests, working set {wl['working_set_bytes'] / 1e9:.2f} GB; "
+                  "latencies in ms; cached: prompt tokens vLLM served from its cache (device) or the connector")
+            print("  ".join(f"{h:>{w}}" for h, w, _ in COLUMNS))
+            figs: dict[str, dict] = {}
+            for r in rows:
+                if "error" in r:
+                    print(f"{r['config']:>8}  failed: {r['error'].splitlines()[0]}")
+                    continue
+                f = r["figures"] = figures(r, reference)
+                figs[r["config"]] = f
+                print("  ".join(_cell(f[k], w) for _h, w, k in COLUMNS))
+            _print_ratios(figs)
+
+
+def _print_ratios(figs: dict[str, dict]) -> None:
+    for ref in ("vllm", "lmcache"):
+        if ref not in figs or len(figs) < 2:
+            continue
+        for cfg, f in figs.items():
+            if cfg != ref:
+                print(f"  {cfg} / {ref}: " + "  ".join(f"{h} {_ratio(f[k], figs[ref][k])}" for h, k in RATIOS))
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+PRESSURE_WORDS = {"full": "holds the working set", "quarter": "holds a quarter of it, the rest on disk"}
