@@ -19,7 +19,9 @@ _CLIENT = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentPa
 HASH_SEED = "0"  # the client seeds each hash id's tokens with hash(): same prompts in every run
 COUNTERS = ("vllm:prompt_tokens", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
             "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits", "vllm:tierkv_hit_tokens",
-            "vllm:generation_tokens", "vllm:num_preemptions")
+            "vllm:generation_tokens", "vllm:num_preemptions", "vllm:tierkv_store_seconds",
+            "vllm:tierkv_store_steps", "vllm:tierkv_async_loads", "vllm:tierkv_load_errors",
+            "vllm:tierkv_store_skipped")
 
 
 def scrape(url: str) -> dict[str, float]:

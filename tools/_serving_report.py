@@ -7,10 +7,11 @@ COLUMNS = (  # (heading, width, key of figures())
     ("TPOT p50", 9, "tpot_p50_ms"), ("p99", 8, "tpot_p99_ms"), ("ITL p99", 8, "itl_p99_ms"),
     ("req/s", 7, "requests_per_s"), ("out tok/s", 9, "output_tokens_per_s"),
     ("cached %", 8, "cached_pct"), ("device", 8, "device_hit_tokens"), ("connector", 9, "connector_hit_tokens"),
-    ("failed", 6, "failed"), ("greedy diff", 11, "greedy_diff"),
+    ("store ms/step", 13, "store_ms_per_step"), ("failed", 6, "failed"), ("greedy diff", 11, "greedy_diff"),
 )
 RATIOS = (("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"), ("TPOT p50", "tpot_p50_ms"),
-          ("req/s", "requests_per_s"), ("out tok/s", "output_tokens_per_s"))
+          ("TPOT p99", "tpot_p99_ms"), ("ITL p99", "itl_p99_ms"), ("req/s", "requests_per_s"),
+          ("out tok/s", "output_tokens_per_s"))
 
 
 def figures(run: dict, reference: list[str] | None) -> dict:
@@ -20,6 +21,8 @@ def figures(run: dict, reference: list[str] | None) -> dict:
     prompt = c.get("total_input_tokens") or 0
     device, connector = n["vllm:prefix_cache_hits"], n["vllm:external_prefix_cache_hits"]
     greedy = run.get("greedy") or []
+    steps = n.get("vllm:tierkv_store_steps", 0.0)
+    per_step = 1e3 * n.get("vllm:tierkv_store_seconds", 0.0) / steps if steps else None
     diff = sum(a != b for a, b in zip(greedy, reference or greedy, strict=False))
     return {"config": run["config"], "ttft_p50_ms": c["p50_ttft_ms"], "ttft_p99_ms": c["p99_ttft_ms"],
             "tpot_p50_ms": c["p50_tpot_ms"], "tpot_p99_ms": c["p99_tpot_ms"], "itl_p99_ms": c["p99_itl_ms"],
@@ -27,6 +30,8 @@ def figures(run: dict, reference: list[str] | None) -> dict:
             "prompt_tokens": prompt, "device_hit_tokens": int(device), "connector_hit_tokens": int(connector),
             "tierkv_hit_tokens": int(n["vllm:tierkv_hit_tokens"]),
             "cached_pct": 100.0 * (device + connector) / prompt if prompt else 0.0,
+            "store_ms_per_step": "-" if per_step is None else round(per_step, 2),
+            "async_loads": int(n.get("vllm:tierkv_async_loads", 0)),
             "completed": c.get("completed", 0), "failed": c.get("failed", 0),
             "greedy_diff": f"{diff}/{len(greedy)}"}
 

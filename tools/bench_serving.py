@@ -112,11 +112,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", help="folder for logs and tiers (default: a temporary one, removed at the end)")
     ap.add_argument("--out", default="bench-results/bench_serving.json")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of a saved run and exit (nothing runs)")
     return ap.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.report:
+        print_tables(json.loads(Path(args.report).read_text()))
+        return
     cfgs, names, pressures = (args.configs.split(","), args.workloads.split(","), args.pressures.split(","))
     for given, known in ((cfgs, configs.NAMES), (names, workloads.NAMES), (pressures, tuple(PRESSURES))):
         if bad := [x for x in given if x not in known]:
