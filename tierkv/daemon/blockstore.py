@@ -70,7 +70,8 @@ class BlockStore:
                                      make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
                                      budgets={"host<->disk": cfg.budget.host_disk or None,
                                               "gpu<->host": cfg.budget.gpu_host or None,
-                                              "host<->remote": cfg.budget.host_remote or None})
+                                              "host<->remote": cfg.budget.host_remote or None},
+                                     write_nice=cfg.disk.write_nice)
         self.hostp = HostPlacement(self.table, self.host, make_policy(cfg.host.policy, cfg, self.history,
                                                                       self.host_reuse),
                                    self.diskp, self.disk is not None, self.host_reuse, self.admission, cfg,

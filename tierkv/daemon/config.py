@@ -97,6 +97,9 @@ class DiskConfig:
     """Drop until used/capacity falls below this."""
     workers: int = 2
     """Encode/decode worker threads (zstd releases the GIL)."""
+    write_nice: int = 10
+    """CPU nice steps of the threads that encode and write blocks to disk (0: the daemon's own): writes
+    behind the engine take the cores it leaves idle. Loads keep the daemon's priority."""
     sync: bool = True
     """fsync each write transaction (required for durable acknowledgements)."""
     write_batch: int = 256
@@ -245,6 +248,8 @@ def _check_disk(d: DiskConfig) -> None:
         raise ValueError("disk.workers must be between 1 and 64")
     if d.write_batch < 1:
         raise ValueError("disk.write_batch must be >= 1")
+    if not 0 <= d.write_nice <= 19:
+        raise ValueError("disk.write_nice must be within 0..19")
     if not 0 <= d.idle_aging <= 100:
         raise ValueError(f"disk.idle_aging must be between 0 and 100, got {d.idle_aging!r}")
     from tierkv.codecs import available_codecs

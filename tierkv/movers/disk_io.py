@@ -20,6 +20,7 @@ from tierkv.codecs import CodecError, decode_block, encode_block
 from tierkv.core.errors import TierKVError
 from tierkv.movers.budget import LinkBudgets
 from tierkv.movers.jobs import Job, JobBook, Move
+from tierkv.movers.priority import lower_this_thread
 from tierkv.tiers.disk import DiskError, DiskTier
 
 log = logging.getLogger("tierkv.movers.transfer")
@@ -42,11 +43,12 @@ class DiskMover:
         codec, level: codec and zstd level of new writes (settable while running).
         make_room: called before each write with its incoming bytes; returns LMDB keys to delete with it.
         write_batch: most blocks in one transaction (also capped at ``write_batch_bytes``).
+        write_nice: CPU nice steps of the writer thread (0: the daemon's own).
     """
 
     def __init__(self, disk: DiskTier | None, book: JobBook, budgets: LinkBudgets, cost: CostModel,
                  encode: ThreadPoolExecutor, decode: ThreadPoolExecutor, codec: str, level: int,
-                 make_room: Callable[[int], list[bytes]] | None, write_batch: int) -> None:
+                 make_room: Callable[[int], list[bytes]] | None, write_batch: int, write_nice: int = 0) -> None:
         self.disk = disk
         self.codec = codec
         self.level = level
@@ -63,6 +65,7 @@ class DiskMover:
         # sync is done, so room for the next transaction must count these too.
         self._unsettled = 0
         self._stores: queue.Queue[Job | None] = queue.Queue()
+        self._write_nice = write_nice
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -88,6 +91,7 @@ class DiskMover:
         # durable put acknowledged) once the writer finds the queue empty, or several jobs or a
         # moment have gone by, and has synced.
         unsynced: list[tuple[Job, float]] = []  # written, not yet synced: (job, when written)
+        lower_this_thread(self._write_nice)
         while True:
             job = self._stores.get()
             if job is None:

@@ -19,6 +19,7 @@ from tierkv.cache.costmodel import CostModel
 from tierkv.movers.budget import LinkBudgets
 from tierkv.movers.disk_io import LOAD_THREADS, DiskMover
 from tierkv.movers.jobs import Job, JobBook, Move
+from tierkv.movers.priority import lower_this_thread
 from tierkv.movers.remote import RemoteMover
 from tierkv.movers.streams import Copy
 from tierkv.tiers.disk import DiskTier
@@ -38,21 +39,25 @@ class TransferEngine:
         write_batch: most blocks in one disk transaction.
         budgets: bytes/s per link (None or 0: unlimited).
         cost: the cost model fed the measured load rates (None: the engine makes its own).
+        write_nice: CPU nice steps of the threads that encode and write blocks to disk (0: the daemon's
+            own), so background writes yield the cores to the engine; loads keep the daemon's priority.
     """
 
     def __init__(self, disk: DiskTier | None, workers: int = 2, codec: str = "lossless", level: int = 1,
                  make_room: Callable[[int], list[bytes]] | None = None, write_batch: int = 32,
-                 budgets: dict[str, float | None] | None = None, cost: CostModel | None = None) -> None:
+                 budgets: dict[str, float | None] | None = None, cost: CostModel | None = None,
+                 write_nice: int = 0) -> None:
         self.budgets = LinkBudgets(budgets or {})
         self.cost = CostModel() if cost is None else cost
         self._book = JobBook(("host->disk", "disk->host"))
-        self._encode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-encode")
+        self._encode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-encode", initializer=lower_this_thread,
+                                          initargs=(write_nice,))
         # A load mostly waits on the device (an O_DIRECT read, GIL released), then decodes: more loads in
         # flight than cores keep the disk busy while others decode (measured, cold lossless loads on 2
         # cores: 1.3 GB/s with 2 threads, 1.6 with 4, 1.8 with 8).
         self._decode = ThreadPoolExecutor(max(workers, LOAD_THREADS), thread_name_prefix="tierkv-decode")
         self._disk = DiskMover(disk, self._book, self.budgets, self.cost, self._encode, self._decode, codec, level,
-                               make_room, write_batch)
+                               make_room, write_batch, write_nice)
         # one writer keeps remote write-through in commit order and off the load path
         self._remote_writer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-remote-writer")
         self._remote: RemoteMover | None = None

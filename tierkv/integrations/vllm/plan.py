@@ -130,11 +130,13 @@ class Planner:
         st.cached_blocks = max(st.cached_blocks, hit)
         if plan is None:
             return 0, False
-        n = min(int(plan["fetch"]), hit)
+        local = int(plan["count"])
+        # the cost model weighs the local tiers; a prefix that goes on in the remote tier loads whole
+        n = min(int(plan["fetch"]), hit) if int(plan["fetch"]) < local else hit
         if n <= first:
             return 0, False
         st.load_from = first
-        ready = plan["ready"]
+        ready = list(plan["ready"]) + [False] * (n - local)  # remote blocks are never ready
         if st.waited:  # its asynchronous load ended short: load what is in host memory now, if any
             n = next((i for i in range(first, n) if not ready[i]), n)
             if n <= first:
@@ -229,16 +231,20 @@ class Planner:
 
 
 def _wait_bound(plan: dict[str, Any], n: int) -> float:
-    """How long an asynchronous load of the plan's first ``n`` blocks may take: the seconds recomputing
-    its blocks would cost (the daemon's cost model), within the fixed floor and ceiling."""
-    recompute, blocks = 0.0, 0
-    for run in plan.get("runs", []):
-        if blocks >= n:
+    """How long an asynchronous load of the first ``n`` blocks may take: the seconds recomputing them
+    would cost (the daemon's cost model; blocks past the plan's runs, in the remote tier, at the runs'
+    mean), within the fixed floor and ceiling."""
+    runs = plan.get("runs", [])
+    blocks = sum(int(r["blocks"]) for r in runs)
+    per_block = sum(float(r["recompute_s"]) for r in runs) / blocks if blocks else 0.0
+    recompute, counted = 0.0, 0
+    for run in runs:
+        take = min(int(run["blocks"]), n - counted)
+        if take <= 0:
             break
-        take = min(int(run["blocks"]), n - blocks)
-        if run["blocks"]:
-            recompute += float(run["recompute_s"]) * take / int(run["blocks"])
-        blocks += take
+        recompute += float(run["recompute_s"]) * take / int(run["blocks"])
+        counted += take
+    recompute += per_block * max(0, n - counted)
     return min(ASYNC_WAIT_MAX_S, max(ASYNC_WAIT_MIN_S, recompute))
 
 
