@@ -13,6 +13,7 @@ import torch
 
 import tierkv
 from tierkv.core.keys import Namespace
+from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter
 from tierkv.integrations.vllm.transfer import Transfers
@@ -240,3 +241,49 @@ def test_a_request_whose_asynchronous_load_ended_short_never_waits_again(daemon)
     _park(planner, req, [1, 2, 3, 4, 5])
     assert planner.matched_tokens(req, 0) == (0, False)  # still on the stalled disk: recompute
     daemon.kill()
+
+
+def test_stores_behind_the_step_commit_on_their_own_thread_from_slots_allocated_ahead(daemon):
+    """With a committer the step copies into slots taken from a reservoir; commits follow on the
+    committer's thread, and a second request loads exactly what the first stored."""
+    src = pages(seed=19)
+    committer = StoreCommitter(link(daemon), BT)
+    t = Transfers(link(daemon), src, committer=committer)
+    planner = Planner(link(daemon), NS, BT)
+    tokens = list(range(9000, 9000 + 4 * BT + 1))
+    _, plan = prefill(planner, Req("w1", tokens), [0, 1, 2, 3, 4])
+    t.store(plan.stores)
+    assert committer.flush()
+    assert len(committer._free) == 4  # refilled for a next step of the same size
+    c = t.take_counters()
+    assert c.stored_tokens == 4 * BT and c.new_blocks == 4 and c.store_steps == 1
+    n, plan = prefill(planner, Req("w2", tokens), [5, 6, 7, 8, 9])
+    assert n == 4 * BT
+    dst = pages(seed=20)
+    Transfers(link(daemon), dst).load(plan.loads)
+    for a, b in zip([0, 1, 2, 3], [5, 6, 7, 8]):
+        assert all(torch.equal(s[a], d[b]) for s, d in zip(src.caches, dst.caches))
+    other = list(range(20_000, 20_000 + 2 * BT + 1))
+    _, plan = prefill(planner, Req("w3", other), [10, 11, 12])
+    t.store(plan.stores)  # two of the four reserved slots
+    assert committer.flush() and t.take_counters().stored_tokens == 2 * BT
+    committer.close()
+
+
+def test_a_committer_whose_daemon_restarts_drops_its_reservoir_and_goes_on(daemon):
+    committer = StoreCommitter(link(daemon), BT)
+    t = Transfers(link(daemon), pages(seed=21), committer=committer)
+    planner = Planner(link(daemon), NS, BT)
+    _, plan = prefill(planner, Req("r1", list(range(4 * BT + 1))), [0, 1, 2, 3, 4])
+    t.store(plan.stores)
+    assert committer.flush()
+    daemon.kill()
+    daemon.start()
+    committer.link._next_try = 0.0
+    _, plan = prefill(Planner(link(daemon), NS, BT), Req("r2", list(range(7, 7 + 4 * BT + 1))), [0, 1, 2, 3, 4])
+    for _ in range(3):  # the first store after the restart may find the old connection broken
+        t.store(plan.stores)
+        committer.link._next_try = 0.0
+    assert committer.flush()
+    assert daemon.stats()["tiers"]["host"]["blocks"] == 4
+    committer.close()

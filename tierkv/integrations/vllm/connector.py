@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout, dtype_name
+from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages, cpu_layout_ok
 from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter
@@ -139,8 +140,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
         args = dict(model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size,
                     announce=False)  # the scheduler side says when the daemon goes and comes back
-        self._transfers = Transfers(Link(self._socket, **args), pages,  # type: ignore[arg-type]
-                                    async_link=Link(self._socket, **args))  # type: ignore[arg-type]
+        # three connections: in-step loads, loads beside the step, and stores (their slots and commits)
+        self._transfers = Transfers(
+            Link(self._socket, **args), pages, async_link=Link(self._socket, **args),  # type: ignore[arg-type]
+            committer=StoreCommitter(Link(self._socket, **args), self._layout.block_tokens))  # type: ignore[arg-type]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load this step's in-host blocks into vLLM's pages (all requests, all layers, one pass) and
@@ -184,8 +187,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         for side in (self._planner, self._transfers):
             if side is not None:
                 side.link.close()
-        if self._transfers is not None and self._transfers.asyncs is not None:
-            self._transfers.asyncs.link.close()
+        if self._transfers is not None:
+            if self._transfers.asyncs is not None:
+                self._transfers.asyncs.link.close()
+            if self._transfers.committer is not None:
+                self._transfers.committer.flush(5.0)
+                self._transfers.committer.close()
+                self._transfers.committer.link.close()
 
     # ---- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

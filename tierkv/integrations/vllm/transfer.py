@@ -26,6 +26,7 @@ import torch
 
 from tierkv.client.client import Client
 from tierkv.core.errors import TierFull, TierKVError
+from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import BlockIO
@@ -74,9 +75,11 @@ class Transfers:
         pages: the worker's paged caches.
     """
 
-    def __init__(self, link: Link, pages: VllmPages, async_link: Link | None = None) -> None:
+    def __init__(self, link: Link, pages: VllmPages, async_link: Link | None = None,
+                 committer: StoreCommitter | None = None) -> None:
         self.link = link
         self.pages = pages
+        self.committer = committer
         self.counters = Counters()
         self._errors: set[int] = set()
         self._warned: dict[str, float] = {}
@@ -119,33 +122,59 @@ class Transfers:
         self.counters.load_errors += len(block_ids)
 
     def store(self, stores: Sequence[BlockIO]) -> None:
-        """Gather the step's new full blocks of every request into tierkv slots and commit them; costs
-        the copy into the slots and two round trips, never a wait for room."""
+        """Gather the step's new full blocks of every request into tierkv slots and commit them. With a
+        committer the step costs the copy into slots allocated ahead (commits run on its thread);
+        without one, the copy and two round trips. Never a wait for room."""
         keys = [k for io in stores for k in io.keys]
         if not keys:
             return
         ids = [b for io in stores for b in io.block_ids]
         t0 = time.perf_counter()
+        new: int | None = None
         try:
-            new = self.link.call(lambda c: self._store(c, keys, ids))
+            if self.committer is not None:
+                self._store_behind(keys, ids)
+            else:
+                new = self.link.call(lambda c: self._store(c, keys, ids))
+                if new is None:
+                    self.counters.store_errors += len(keys)
         except TierFull:
             self.counters.store_skipped += len(keys)
-            new = None
         except TierKVError as exc:
             self._warn("a store", exc)
             self.counters.store_errors += len(keys)
-            new = None
-        else:
-            if new is None:
-                self.counters.store_errors += len(keys)
         dt = time.perf_counter() - t0
         self.counters.store_s += dt
         self.counters.store_steps += 1
         self.counters.store_max_s = max(self.counters.store_max_s, dt)
-        if new is None:
+        if new is not None:
+            self.counters.new_blocks += new
+            self.counters.stored_tokens += len(keys) * self.pages.layout.block_tokens
+
+    def _store_behind(self, keys: list[bytes], ids: list[int]) -> None:
+        """Copy into the committer's slots (its own connection); it commits them on its own thread."""
+        assert self.committer is not None
+        link = self.committer.link
+        client = link.get()
+        if client is None:
+            self.counters.store_errors += len(keys)
             return
-        self.counters.new_blocks += new
-        self.counters.stored_tokens += len(keys) * self.pages.layout.block_tokens
+        try:
+            slots = self.committer.slots(client, len(keys))
+        except TierKVError as exc:
+            if not isinstance(exc, TierFull):
+                link.drop(exc)
+            raise
+        try:
+            self.pages.gather(ids, slots.views)
+        except BaseException:
+            slots.abort()
+            raise
+        ready = None
+        if self.pages.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.pages.device))
+        self.committer.submit(client, keys, slots, ready)
 
     def _store(self, client: Client, keys: list[bytes], ids: list[int]) -> int:
         with client.alloc(len(keys), timeout=0) as slots:
@@ -183,8 +212,14 @@ class Transfers:
         return errors
 
     def take_counters(self) -> Counters:
-        """The counters since the last call (and start new ones)."""
+        """The counters since the last call (and start new ones), the committer's included."""
         c, self.counters = self.counters, Counters()
+        if self.committer is not None:
+            done = self.committer.take()
+            c.stored_tokens += done.stored_tokens
+            c.new_blocks += done.new_blocks
+            c.store_errors += done.store_errors
+            c.store_skipped += done.store_skipped
         return c
 
 
