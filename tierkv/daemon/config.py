@@ -65,6 +65,10 @@ class HostConfig:
     """Allocate the pool's memory at start (fails early if memory is short; no page faults later)."""
     policy: str = "attention"
     """Eviction policy for this tier (lru, lfu, slru, gdsf, attention)."""
+    shadow_rate: float = 0.1
+    """With the ``attention`` policy: the fraction of keys (by hash) on which its order and LRU are
+    simulated side by side at that fraction of the tier's bytes; the tier evicts in LRU order while LRU
+    hits clearly more there (0: off, the score alone)."""
     max_pinned_fraction: float = 0.5
     """Pinned prefixes may hold at most this share of the host tier."""
     write_behind: bool = True
@@ -222,6 +226,8 @@ def _check_host(h: HostConfig) -> None:
     if h.slab_bytes < 4096 or h.slab_bytes % 4096:
         raise ValueError("host.slab_bytes must be a multiple of 4 KiB (at least 4 KiB)")
     _check_watermarks("host", h.low_watermark, h.high_watermark)
+    if not 0 <= h.shadow_rate <= 1:
+        raise ValueError(f"host.shadow_rate must be within 0..1, got {h.shadow_rate!r}")
     if not 0 <= h.write_behind_above <= 1:
         raise ValueError("host.write_behind_above must be within 0..1")
     if not 0 <= h.max_pinned_fraction <= 1:

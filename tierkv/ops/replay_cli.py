@@ -72,6 +72,7 @@ def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -
         t.admission = "all" if name == "opt" else admission
     if name == "default":
         tiers[0].policy = daemon.host.policy
+        tiers[0].policy_settings = {**tiers[0].policy_settings, "shadow_rate": daemon.host.shadow_rate}
         for t in tiers[1:]:
             t.policy, t.admission = daemon.disk.policy, daemon.disk.admission
             t.policy_settings = {**t.policy_settings, "idle_aging": daemon.disk.idle_aging}
