@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -144,3 +145,23 @@ def test_replay_and_daemon_run_the_same_host_shadow():
                 p.on_insert(key, 1)
             p.on_access(key)
     assert chosen[0] == chosen[1] and chosen[0]
+
+
+def test_advise_measures_the_host_order_against_the_default(tmp_path):
+    from click.testing import CliRunner
+
+    from tierkv.ops.replay_cli import replay as replay_cmd
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(line(i * 1000, 1024, [i % 5, 100 + i]) for i in range(40)) + "\n")
+    res = CliRunner().invoke(replay_cmd, [str(path), "--advise", "--json", "--kv-bytes-per-token", "1"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.output)["recommended"]
+    runs = rec["shadow_runs"]
+    assert set(runs) >= {"0.0", "1.0", str(daemon_config(None).host.shadow_rate)}
+    best = max(r["token_hit_rate"] for r in runs.values())
+    assert runs[str(rec["shadow_rate"])]["token_hit_rate"] == best
+    assert rec["gain_points"] == pytest.approx((best - rec["default"]["token_hit_rate"]) * 100)
+    assert rec["gain_points"] >= 0
+    res = CliRunner().invoke(replay_cmd, [str(path), "--advise", "--kv-bytes-per-token", "1"])
+    assert "host.shadow_rate" in res.output and "against the default" in res.output

@@ -169,6 +169,11 @@ def _print_profile(p: dict[str, Any]) -> None:
                          for m, r in rec["admission_runs"].items())
         echo(f"admission           disk.admission = \"{rec['admission']}\" ({rec['admission_why']})")
         echo(f"                    default placement: {runs}; opt {rec['opt']['token_hit_rate'] * 100:.1f}%")
+        shadow = ", ".join(f"{k} {r['token_hit_rate'] * 100:.2f}%" for k, r in rec["shadow_runs"].items())
+        echo(f"host order          host.shadow_rate = {rec['shadow_rate']} ({shadow})")
+        ratio = f"{rec['writes_ratio']:.2f}x" if rec["writes_ratio"] is not None else "-"
+        echo(f"against the default {rec['gain_points']:+.2f} points of token hit rate, {ratio} the disk bytes "
+             f"(the default configuration: {rec['default']['token_hit_rate'] * 100:.2f}%)")
 
 
 @click.command("replay")
@@ -291,6 +296,8 @@ def _advise(workload: Workload, config: ReplayConfig, configure: Configure, as_j
     adv = advise_admission(workload, config, rec["host_bytes"], rec["disk_bytes"], configure)
     rec["admission"], rec["admission_why"], rec["admission_runs"] = adv["admission"], adv["why"], adv["runs"]
     rec["opt"] = adv["opt"]
+    for k in ("shadow_rate", "shadow_runs", "default", "gain_points", "writes_ratio"):
+        rec[k] = adv[k]
     if as_json:
         click.echo(json.dumps(prof, indent=2))
     else:
