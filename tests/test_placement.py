@@ -119,6 +119,34 @@ def test_the_eviction_model_learns_over_a_shorter_ghost_list():
     assert rule.evict_model.settings()["ghost_entries"] == 200  # a bad value changes nothing
 
 
+def test_the_floor_skips_a_class_that_never_returns_while_the_writer_is_idle():
+    """With spare bandwidth a victim is written unless the floor model (a ghost list ``floor_horizon``
+    times as long) finds its class comes back less often than ``floor``; the admission model, whose
+    list has not turned over yet, still holds the prior for that class and decides with the writer busy."""
+    rule = Placement("predicted", ghost_entries=400, floor_horizon=0.25)
+    assert rule.floor_model.settings()["ghost_entries"] == 100
+    for i in range(150):
+        live, dead = (b"live", i), (b"dead", i)
+        rule.requested([live, (b"next", i)], float(i))  # a chain whose first block comes back
+        assert rule.admit(live, float(i), spare=True)
+        rule.requested([live], float(i))
+        rule.requested([dead], float(i))  # a finished request's tail that no request extends
+        rule.request_finished([dead], float(i))
+        rule.admit(dead, float(i), spare=True)
+    now = 150.0
+    rule.requested([(b"dead", 150)], now)
+    rule.request_finished([(b"dead", 150)], now)
+    assert rule.floor_model.p((b"dead", 150), now) < 0.05 <= rule.model.p((b"dead", 150), now)
+    assert not rule.wants((b"dead", 150), now, spare=True)
+    assert rule.wants((b"dead", 150), now, spare=False)  # the admission model's word
+    assert rule.wants((b"dead", 150), now, spare=True, sharers=2)  # shared blocks are always written
+    rule.update(floor_evidence=1.0)  # the floor also rules a class the admission model has not learned
+    assert not rule.wants((b"dead", 150), now, spare=False)
+    rule.update(floor=0.0, floor_evidence=0.0)  # no floor: every victim while the writer is idle
+    assert rule.wants((b"dead", 150), now, spare=True)
+    assert rule.snapshot()["floor"]["ghost"] == 100
+
+
 def test_learned_classes_survive_a_restart(daemon_factory):
     """The reuse models' class counts are kept in the data directory: a restarted daemon starts with
     what the last one learned; a damaged file is ignored and nothing stored is lost."""

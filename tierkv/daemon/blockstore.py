@@ -381,7 +381,7 @@ class BlockStore:
     def learned_models(self) -> dict[str, ReuseModel]:
         """The reuse models whose class counts are kept across restarts."""
         return {"host": self.host_reuse, "disk": self.admission.model,
-                "disk-eviction": self.admission.evict_model}
+                "disk-eviction": self.admission.evict_model, "disk-floor": self.admission.floor_model}
 
     def close(self, timeout: float) -> None:
         """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and
