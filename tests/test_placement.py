@@ -119,31 +119,32 @@ def test_the_eviction_model_learns_over_a_shorter_ghost_list():
     assert rule.evict_model.settings()["ghost_entries"] == 200  # a bad value changes nothing
 
 
-def test_the_floor_skips_a_class_that_never_returns_while_the_writer_is_idle():
-    """With spare bandwidth a victim is written unless the floor model (a ghost list ``floor_horizon``
-    times as long) finds its class comes back less often than ``floor``; the admission model, whose
-    list has not turned over yet, still holds the prior for that class and decides with the writer busy."""
+def test_the_floor_skips_tails_that_never_return():
+    """A chain tail is not written when the floor model (a ghost list ``floor_horizon`` times as long)
+    finds its class comes back less often than ``floor``, writer idle or busy; the admission model,
+    whose list has not turned over yet, still holds the prior for that class. Other blocks are the
+    admission model's to decide."""
     rule = Placement("predicted", ghost_entries=400, floor_horizon=0.25)
     assert rule.floor_model.settings()["ghost_entries"] == 100
     for i in range(150):
         live, dead = (b"live", i), (b"dead", i)
         rule.requested([live, (b"next", i)], float(i))  # a chain whose first block comes back
         assert rule.admit(live, float(i), spare=True)
-        rule.requested([live], float(i))
+        rule.requested([live, (b"again", i)], float(i))
         rule.requested([dead], float(i))  # a finished request's tail that no request extends
         rule.request_finished([dead], float(i))
         rule.admit(dead, float(i), spare=True)
-    now = 150.0
-    rule.requested([(b"dead", 150)], now)
-    rule.request_finished([(b"dead", 150)], now)
-    assert rule.floor_model.p((b"dead", 150), now) < 0.05 <= rule.model.p((b"dead", 150), now)
-    assert not rule.wants((b"dead", 150), now, spare=True)
-    assert rule.wants((b"dead", 150), now, spare=False)  # the admission model's word
-    assert rule.wants((b"dead", 150), now, spare=True, sharers=2)  # shared blocks are always written
-    rule.update(floor_evidence=1.0)  # the floor also rules a class the admission model has not learned
-    assert not rule.wants((b"dead", 150), now, spare=False)
-    rule.update(floor=0.0, floor_evidence=0.0)  # no floor: every victim while the writer is idle
-    assert rule.wants((b"dead", 150), now, spare=True)
+    now, tail = 150.0, (b"dead", 150)
+    rule.requested([tail], now)
+    rule.request_finished([tail], now)
+    assert rule.model.is_tail(tail) and not rule.model.is_tail((b"live", 149))
+    assert rule.floor_model.p(tail, now) < 0.05 <= rule.model.p(tail, now)
+    assert not rule.wants(tail, now, spare=True) and not rule.wants(tail, now, spare=False)
+    assert rule.wants(tail, now, sharers=2)  # shared blocks are always written
+    rule.requested([tail, b"turn 2"], now + 1)  # a later request extends the chain through it
+    assert not rule.model.is_tail(tail) and rule.wants(tail, now + 1, spare=True)
+    rule.update(floor=0.0)  # no floor: the admission model decides every victim
+    assert rule.wants((b"dead", 149), now, spare=True)
     assert rule.snapshot()["floor"]["ghost"] == 100
 
 

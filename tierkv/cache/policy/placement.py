@@ -9,18 +9,19 @@ victim is requested again, and writes it when the expected saving beats the writ
     p * recompute_s * (1 + depth_cost * depth) >= write_s
 
 Write bandwidth is a budget: while the writer has spare bandwidth (``spare``, from the caller) every
-victim goes but those under the floor; under pressure the least valuable are skipped first. Pinned and
-shared blocks are always written. The other modes: ``reused`` (used twice, shared or pinned),
+victim goes but the tails under the floor (below); under pressure the least valuable are skipped
+first. Pinned and shared blocks are always written. The other modes: ``reused`` (used twice, shared or pinned),
 ``all``, ``pinned``.
 
-The floor: a third model (``floor_model``) learns on a ghost list ``floor_horizon`` (0.25) times as
-long, so it counts a block that never returns as a miss after a quarter of the departures the
-admission model waits. A victim whose chance of a return within that shorter list is below
-``floor`` (0.05) is not written while the writer is idle. With ``floor_evidence`` = n > 0 the floor
-also applies while the writer is busy, to a class the admission model has seen fewer than n
-departures of come back or fall off (one it has not learned yet: its estimate is still near the
-prior); off by default, as a class that returns late (after the shorter list) looks dead to the
-floor until then (docs/placement.md).
+The floor: a chain's tail (the last block of the request it was last seen in, which no later
+request has extended) comes back only when a later request holds it whole: the next turn of a
+conversation does when the tail is a full block and never when it is a partial one. A third model
+(``floor_model``) learns on a ghost list ``floor_horizon`` (0.25) times as long as the admission
+model's, so it counts a tail that never returns as a miss after a quarter of the departures the
+admission model waits (on a short trace, that model's list may never turn over). A tail whose class
+returns less often than ``floor`` (0.05) within that shorter list is not written, writer idle or
+busy. Other blocks are left to the admission model: a class that returns late (after the shorter
+list) would look dead to the floor (docs/placement.md).
 
 The colder tier's eviction order weighs its blocks by a second model (``evict_model``, a
 :meth:`~tierkv.cache.policy.reuse.ReuseModel.sibling` over the same block records), whose ghost list
@@ -64,13 +65,10 @@ class Placement:
         "write_s": Setting(0.02, "seconds of writer time one block costs", min=0.0),
         "evict_horizon": Setting(0.75, "ghost list of the model the tier's eviction order weighs blocks "
                                  "by, as a multiple of ghost_entries", min=0.01, max=16.0),
-        "floor": Setting(0.05, "a victim whose chance of a return within floor_horizon is below this is "
-                         "not written while the writer is idle (0 = every victim then)", min=0.0, max=1.0),
+        "floor": Setting(0.05, "a chain tail whose chance of a return within floor_horizon is below this "
+                         "is not written (0 = off)", min=0.0, max=1.0),
         "floor_horizon": Setting(0.25, "ghost list of the model the floor reads, as a multiple of "
                                  "ghost_entries", min=0.01, max=16.0),
-        "floor_evidence": Setting(0.0, "the floor also applies with the writer busy to a class the admission "
-                                  "model has seen fewer departures of come back or fall off (0 = never)",
-                                  min=0.0),
     }
 
     def __init__(self, mode: str = "predicted", **settings: Any) -> None:
@@ -115,8 +113,7 @@ class Placement:
         if sharers >= 2:
             return True
         s = self._settings
-        if s["floor"] and self.floor_model.p(key, now) < s["floor"] and (
-                spare or self.model.evidence(key, now) < s["floor_evidence"]):
+        if s["floor"] and self.model.is_tail(key) and self.floor_model.p(key, now) < s["floor"]:
             return False
         if spare:
             return True
@@ -133,8 +130,8 @@ class Placement:
             now: the caller's clock (seconds).
             sharers: live leases plus prefix children.
             pinned: the block belongs to a pinned prefix.
-            spare: the writer has spare bandwidth (its queue is empty): every victim goes but those
-                under the floor.
+            spare: the writer has spare bandwidth (its queue is empty): every victim goes but the
+                tails under the floor.
         """
         ok = self.wants(key, now, sharers=sharers, pinned=pinned, spare=spare)
         if self.mode == "predicted":
