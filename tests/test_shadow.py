@@ -109,6 +109,47 @@ def test_key_sample_is_a_fixed_fraction():
     assert key_hash(b"k") == key_hash(b"k") and 0 <= key_hash(7) < 1
 
 
+def test_branches_part_where_chains_part():
+    """A block's branch starts below the last block its chain shares with another chain: requests
+    that share a prompt have branches of their own, and a chain extended alone stays one branch."""
+    h = History()
+
+    def use(chain):
+        parent = None
+        for key in chain:
+            h.record(key, 0.0, parent)
+            parent = key
+        return [h.branch(key) for key in chain]
+
+    assert use(["p0", "p1", "a0", "a1"]) == ["p0"] * 4  # one chain: one branch so far
+    assert use(["p0", "p1", "b0", "b1"]) == ["p0", "p0", "b0", "b0"]  # p1 has two children now
+    assert use(["p0", "p1", "a0", "a1", "a2"]) == ["p0", "p0", "a0", "a0", "a0"]
+    assert h.branch("unknown") == "unknown"
+
+
+def test_the_shadow_samples_whole_branches():
+    """Every use of a block in a sampled branch reaches the shadow, and none of the others."""
+    clock = Clock()
+    policy = attention(clock, shadow_rate=0.5)
+    sent = 0
+    for conv in range(40):
+        chain = [("prompt", 0), ("prompt", 1)] + [("conv", conv, i) for i in range(4)]
+        for turn in range(2):
+            parent = None
+            for key in chain[:4 + turn * 2]:
+                clock.now += 1.0
+                if key not in policy:
+                    policy.on_insert(key, 1, parent)
+                policy.on_access(key)
+                sent += policy.shadow.sampled(policy.history.branch(key))
+                parent = key
+    branches = {policy.history.branch(("conv", c, 0)) for c in range(40)}
+    assert branches == {("conv", c, 0) for c in range(40)}
+    assert policy.shadow.references == sent
+    sampled = [c for c in range(40) if policy.shadow.sampled(("conv", c, 0))]
+    assert 0 < len(sampled) < 40
+
+
 def test_replay_and_daemon_run_the_same_host_shadow():
     """``tierkv replay --policy default`` and the daemon build the host policy with the same shadow
     from the same config, and on the same events the two choose the same victims."""

@@ -31,8 +31,9 @@ A block is only a candidate once none of its prefix children is resident in this
 
 With ``shadow_rate`` > 0 the policy never trails plain recency for long: a
 :class:`~tierkv.cache.policy.shadow.Shadow` runs this score and LRU side by side on a hash sample of
-the keys (``shadow_rate`` of them, at that fraction of the tier's bytes), and while LRU is the one
-hitting more there, the tier evicts in LRU order (the score is kept up to date all the while, so it
+the branches (:meth:`~tierkv.cache.policy.history.History.branch`: a sampled branch is seen whole,
+so the orders are compared on the prefixes they keep; ``shadow_rate`` of them, at that fraction of
+the tier's bytes), and while LRU is the one hitting more there, the tier evicts in LRU order (the score is kept up to date all the while, so it
 takes over again as soon as it leads). A tier where the score wins evicts exactly as without it.
 Use counts and depths live in a :class:`~tierkv.cache.policy.history.History` that may be shared by
 the policies of all tiers, so heat survives demotion and re-fetch.
@@ -96,7 +97,7 @@ class AttentionPolicy(HeapPolicy):
                                "by side; the tier evicts in LRU order while LRU hits more there (0 = off)",
                                min=0.0, max=1.0),
         "shadow_window": Setting(20000.0, "sampled references over which the shadow counts hits", min=16.0),
-        "shadow_z": Setting(2.0, "standard deviations by which an order's lead in the shadow must pass a "
+        "shadow_z": Setting(3.0, "standard deviations by which an order's lead in the shadow must pass a "
                             "coin's to take over", min=0.0, max=10.0),
     }
 
@@ -292,7 +293,7 @@ class AttentionPolicy(HeapPolicy):
             self._rescore(key)
             self._recent.move_to_end(key)
             shadow = self.shadow
-            if shadow is not None and shadow.sampled(key):
+            if shadow is not None and shadow.sampled(self.history.branch(key)):
                 shadow.reference(key, self._size[key], self._parent.get(key))
 
     def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:

@@ -1,7 +1,10 @@
 """A sampled shadow: two eviction orders simulated side by side, and which of them is winning.
 
-SHARDS-style spatial sampling: a key is in the sample when a hash of it falls below ``rate``, so
-the sample sees every reference to a fixed few percent of the keys. Each order (for example LRU and
+SHARDS-style spatial sampling: a key is in the sample when a hash of its sampling unit falls below
+``rate``, so the sample sees every reference to a fixed few percent of the units. The unit is the
+caller's: the attention policy passes a block's branch (the blocks below the point where its chain
+parted from other chains), so a sampled conversation or session is seen whole and the orders are
+compared on the prefixes they keep rather than block by block. Each order (for example LRU and
 a learned score) runs as its own small cache over the sampled keys at ``rate`` times the real tier's
 bytes; a reference to a key the small cache holds is a hit for that order, any other reference
 inserts it (evicting by the order). The orders are compared on the references where they disagree:
@@ -12,7 +15,7 @@ pass the leader's wins over it by more than ``z`` standard deviations of a fair 
 
 The tier that owns the shadow evicts by the leader's order. The primitives:
 
-- ``sampled(key)``: whether the key is in the sample.
+- ``sampled(unit)``: whether the keys of a sampling unit are in the sample.
 - ``reference(key, size, parent)``: a sampled key was used in the tier.
 - ``resize(nbytes)``: the real tier holds ``nbytes`` when it is full (its capacity).
 - ``leader``: index of the order that is winning; ``hits``: the decayed hit counts of each order.
@@ -72,9 +75,9 @@ class Shadow:
         self.references = 0
         self.switches = 0
 
-    def sampled(self, key: Hashable) -> bool:
-        """Whether ``key`` is one of the sampled keys."""
-        return key_hash(key) < self.rate
+    def sampled(self, unit: Hashable) -> bool:
+        """Whether the keys of sampling unit ``unit`` (a key, or the caller's group of keys) are sampled."""
+        return key_hash(unit) < self.rate
 
     def resize(self, nbytes: int) -> None:
         """The real tier is full at ``nbytes``: the small caches hold ``rate`` times that."""
