@@ -102,7 +102,7 @@ class DiskConfig:
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
     policy: str = "attention"
     """Eviction policy for this tier: what to drop above the high watermark (lru, lfu, slru, gdsf, attention)."""
-    idle_aging: float = 0.65
+    idle_aging: float = 0.5
     """The ``attention`` disk order halves a block's value every ``tau`` seconds without a use, ``tau``
     being this times the mean idle time of the disk's recent victims (0: the GDSF aging clock the host
     tier uses): a conversation idle for long goes before a busier one."""

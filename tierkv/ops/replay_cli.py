@@ -194,8 +194,9 @@ def _print_profile(p: dict[str, Any]) -> None:
 @click.option("--host-bw", default="25GB/s", show_default=True, help="Host -> GPU bandwidth.")
 @click.option("--disk-bw", default="5GB/s", show_default=True, help="Disk -> GPU bandwidth (raw bytes).")
 @click.option("--disk-write-bw", default="2GB/s", show_default=True,
-              help="Disk writer bandwidth (stored bytes); while it has nothing queued every host victim is "
-                   "written, as the daemon's writer does. 0 leaves it out: the admission rule decides all.")
+              help="Disk writer bandwidth (stored bytes); while it has nothing queued every host victim but "
+                   "the tails under the admission floor is written, as the daemon's writer does. 0 leaves it "
+                   "out: the admission rule decides all.")
 @click.option("--disk-latency-ms", default=0.1, show_default=True, type=click.FloatRange(0))
 @click.option("--disk-compression", default=1.4, show_default=True, type=click.FloatRange(1.0),
               help="Raw / stored bytes on disk.")
