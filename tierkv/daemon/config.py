@@ -66,7 +66,7 @@ class HostConfig:
     policy: str = "attention"
     """Eviction policy for this tier (lru, lfu, slru, gdsf, attention)."""
     shadow_rate: float = 0.1
-    """With the ``attention`` policy: the fraction of keys (by hash) on which its order and LRU are
+    """With the ``attention`` policy: the fraction of the chains' branches (by hash) on which its order and LRU are
     simulated side by side at that fraction of the tier's bytes; the tier evicts in LRU order while LRU
     hits clearly more there (0: off, the score alone)."""
     max_pinned_fraction: float = 0.5

@@ -93,7 +93,7 @@ class AttentionPolicy(HeapPolicy):
         "reuse_weight": Setting(1.0, "exponent of the learned chance of a return (0 = off)", min=0.0),
         "idle_aging": Setting(0.0, "half-life of a block's value without a use, as a multiple of the mean "
                               "idle time of the tier's victims (0 = the GDSF aging clock)", min=0.0, max=100.0),
-        "shadow_rate": Setting(0.0, "fraction of keys (by hash) on which this score and LRU are simulated side "
+        "shadow_rate": Setting(0.0, "fraction of branches (by hash) on which this score and LRU are simulated side "
                                "by side; the tier evicts in LRU order while LRU hits more there (0 = off)",
                                min=0.0, max=1.0),
         "shadow_window": Setting(20000.0, "sampled references over which the shadow counts hits", min=16.0),
