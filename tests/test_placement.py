@@ -68,6 +68,7 @@ def test_request_finished_reaches_the_placement_rule(daemon):
         assert c.request_finished(keys) == 4  # two keys are not cached (an output not stored yet)
         place = c.stats()["tiers"]["disk"]["placement"]
         assert place["mode"] == "predicted" and place["finished_requests"] == 1
+        assert place["floor"]["ghost"] >= 0 and "classes" in place["floor"]  # the admission floor's model
         with pytest.raises(BadRequest):
             c.request_finished([b""])
         assert c.request_finished([]) == 0
