@@ -68,6 +68,7 @@ def test_request_finished_reaches_the_placement_rule(daemon):
         assert c.request_finished(keys) == 4  # two keys are not cached (an output not stored yet)
         place = c.stats()["tiers"]["disk"]["placement"]
         assert place["mode"] == "predicted" and place["finished_requests"] == 1
+        assert place["floor"]["ghost"] >= 0 and "classes" in place["floor"]  # the admission floor's model
         with pytest.raises(BadRequest):
             c.request_finished([b""])
         assert c.request_finished([]) == 0
@@ -117,6 +118,35 @@ def test_the_eviction_model_learns_over_a_shorter_ghost_list():
     with pytest.raises(ValueError, match="evict_horizon"):
         rule.update(evict_horizon=0.0)
     assert rule.evict_model.settings()["ghost_entries"] == 200  # a bad value changes nothing
+
+
+def test_the_floor_skips_tails_that_never_return():
+    """A chain tail is not written when the floor model (a ghost list ``floor_horizon`` times as long)
+    finds its class comes back less often than ``floor``, writer idle or busy; the admission model,
+    whose list has not turned over yet, still holds the prior for that class. Other blocks are the
+    admission model's to decide."""
+    rule = Placement("predicted", ghost_entries=400, floor_horizon=0.25)
+    assert rule.floor_model.settings()["ghost_entries"] == 100
+    for i in range(150):
+        live, dead = (b"live", i), (b"dead", i)
+        rule.requested([live, (b"next", i)], float(i))  # a chain whose first block comes back
+        assert rule.admit(live, float(i), spare=True)
+        rule.requested([live, (b"again", i)], float(i))
+        rule.requested([dead], float(i))  # a finished request's tail that no request extends
+        rule.request_finished([dead], float(i))
+        rule.admit(dead, float(i), spare=True)
+    now, tail = 150.0, (b"dead", 150)
+    rule.requested([tail], now)
+    rule.request_finished([tail], now)
+    assert rule.model.is_tail(tail) and not rule.model.is_tail((b"live", 149))
+    assert rule.floor_model.p(tail, now) < 0.05 <= rule.model.p(tail, now)
+    assert not rule.wants(tail, now, spare=True) and not rule.wants(tail, now, spare=False)
+    assert rule.wants(tail, now, sharers=2)  # shared blocks are always written
+    rule.requested([tail, b"turn 2"], now + 1)  # a later request extends the chain through it
+    assert not rule.model.is_tail(tail) and rule.wants(tail, now + 1, spare=True)
+    rule.update(floor=0.0)  # no floor: the admission model decides every victim
+    assert rule.wants((b"dead", 149), now, spare=True)
+    assert rule.snapshot()["floor"]["ghost"] == 100
 
 
 def test_learned_classes_survive_a_restart(daemon_factory):

@@ -191,7 +191,7 @@ def test_disk_policy_ages_by_idle_time_and_tune_changes_it(make_table):
 
     t = make_table()
     pol = t.diskp.policy
-    assert pol.settings()["idle_aging"] == t.cfg.disk.idle_aging == 0.65 and pol.tau > 0
+    assert pol.settings()["idle_aging"] == t.cfg.disk.idle_aging == 0.5 and pol.tau > 0
     assert t.hostp.policy.settings()["idle_aging"] == 0.0  # the host keeps the GDSF aging clock
     for scale in (1.5, 0.0):
         new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, idle_aging=scale))

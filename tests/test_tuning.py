@@ -44,7 +44,7 @@ def test_tune_disk_idle_aging(daemon):
         r = CliRunner().invoke(main, ["stats", "--socket", daemon.socket, "--json"])
         return json.loads(r.output)["tiers"]["disk"]["idle_half_life_s"]
 
-    assert half_life() == 0.65 * 300  # the configured multiple of the starting mean idle time
+    assert half_life() == 0.5 * 300  # the configured multiple of the starting mean idle time
     r = CliRunner().invoke(main, ["tune", "--socket", daemon.socket, "disk.idle_aging=1.2"])
     assert r.exit_code == 0, r.output
     assert half_life() == 1.2 * 300

@@ -88,12 +88,12 @@ def with_true_rates(w: Workload, host: str, disk: str, rates: dict, on: str) -> 
 
 
 def warm_start(w: Workload, host: str, disk: str) -> tuple[float, float, int]:
-    """The default cold, then again with the disk rule's class counts learned in the first run: what
+    """The default cold, then again with the disk rule's class counts (its three models) learned in the first run: what
     learning the classes online costs on a trace this long."""
     cold = simulator(w, host, disk)
     r = cold.run(host)
     warm = simulator(w, host, disk)
-    for name in ("model", "evict_model"):  # unscaled, unlike a restart
+    for name in ("model", "evict_model", "floor_model"):  # unscaled, unlike a restart
         getattr(warm.rules[1], name).load_counts(getattr(cold.rules[1], name).counts(), keep=math.inf)
     r2 = warm.run(host)
     return r.token_hit_rate, r2.token_hit_rate, r2.disk_writes_bytes

@@ -197,8 +197,8 @@ class HostPlacement:
     # ---- admission --------------------------------------------------------------------------------
     def worth_writing(self, b: Block, mode: str) -> bool:
         """The admission rule of a colder tier: every block, the ones the placement rule predicts are
-        read again (every one while the writer keeps up), blocks used twice / shared / pinned, or
-        pinned only."""
+        read again (every one but the tails under its floor while the writer keeps up), blocks used
+        twice / shared / pinned, or pinned only."""
         if mode == "predicted":
             return self.admission.wants(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
                                         spare=self.writer_idle())

@@ -30,7 +30,7 @@ from tierkv.daemon.config import Config
 from tierkv.daemon.evictor import Evictor
 from tierkv.daemon.fetchpath import FetchPath
 from tierkv.daemon.gpupath import GpuPath, check_gpu
-from tierkv.daemon.startup import make_disk_policy, make_policy, open_tiers
+from tierkv.daemon.startup import make_disk_policy, make_host_policy, open_tiers
 from tierkv.daemon.storepath import StorePath
 from tierkv.daemon.transfers import Transfers
 from tierkv.movers.transfer import TransferEngine
@@ -72,8 +72,7 @@ class BlockStore:
                                               "gpu<->host": cfg.budget.gpu_host or None,
                                               "host<->remote": cfg.budget.host_remote or None},
                                      write_nice=cfg.disk.write_nice)
-        self.hostp = HostPlacement(self.table, self.host, make_policy(cfg.host.policy, cfg, self.history,
-                                                                      self.host_reuse),
+        self.hostp = HostPlacement(self.table, self.host, make_host_policy(cfg, self.history, self.host_reuse),
                                    self.diskp, self.disk is not None, self.host_reuse, self.admission, cfg,
                                    lambda: self.engine.store_backlog() == 0)
         self.remote_stats = TierCounters()
@@ -396,7 +395,7 @@ class BlockStore:
     def learned_models(self) -> dict[str, ReuseModel]:
         """The reuse models whose class counts are kept across restarts."""
         return {"host": self.host_reuse, "disk": self.admission.model,
-                "disk-eviction": self.admission.evict_model}
+                "disk-eviction": self.admission.evict_model, "disk-floor": self.admission.floor_model}
 
     def close(self, timeout: float) -> None:
         """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and

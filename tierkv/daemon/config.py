@@ -68,6 +68,10 @@ class HostConfig:
     """Allocate the pool's memory at start (fails early if memory is short; no page faults later)."""
     policy: str = "attention"
     """Eviction policy for this tier (lru, lfu, slru, gdsf, attention)."""
+    shadow_rate: float = 0.1
+    """With the ``attention`` policy: the fraction of the chains' branches (by hash) on which its order and LRU are
+    simulated side by side at that fraction of the tier's bytes; the tier evicts in LRU order while LRU
+    hits clearly more there (0: off, the score alone)."""
     max_pinned_fraction: float = 0.5
     """Pinned prefixes may hold at most this share of the host tier."""
     write_behind: bool = True
@@ -106,7 +110,7 @@ class DiskConfig:
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
     policy: str = "attention"
     """Eviction policy for this tier: what to drop above the high watermark (lru, lfu, slru, gdsf, attention)."""
-    idle_aging: float = 0.65
+    idle_aging: float = 0.5
     """The ``attention`` disk order halves a block's value every ``tau`` seconds without a use, ``tau``
     being this times the mean idle time of the disk's recent victims (0: the GDSF aging clock the host
     tier uses): a conversation idle for long goes before a busier one."""
@@ -232,6 +236,8 @@ def _check_host(h: HostConfig) -> None:
     if h.slab_bytes < 4096 or h.slab_bytes % 4096:
         raise ValueError("host.slab_bytes must be a multiple of 4 KiB (at least 4 KiB)")
     _check_watermarks("host", h.low_watermark, h.high_watermark)
+    if not 0 <= h.shadow_rate <= 1:
+        raise ValueError(f"host.shadow_rate must be within 0..1, got {h.shadow_rate!r}")
     if not 0 <= h.write_behind_above <= 1:
         raise ValueError("host.write_behind_above must be within 0..1")
     if not 0 <= h.prefetch_fraction <= 1:

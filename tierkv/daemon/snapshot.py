@@ -65,6 +65,9 @@ def _local_tiers(st: BlockStore) -> dict[str, dict]:
                                   slabs={str(k): v for k, v in host.slab_usage().items()}, policy=hp.policy.name)
     tiers["host"].update(bytes_logical=live, bytes_stored=host.used_bytes, pinned_bytes=hp.pinned_bytes,
                          limit_bytes=hp.limit, reuse=st.host_reuse.snapshot())
+    shadow = getattr(hp.policy, "shadow", None)
+    if shadow is not None:
+        tiers["host"]["shadow"] = shadow.snapshot()
     if st.disk is not None:
         dp, adm = st.diskp, st.admission
         tiers["disk"] = tier_snapshot(dp.stats, capacity=st.disk.capacity, used=dp.used,

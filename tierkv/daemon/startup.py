@@ -76,6 +76,12 @@ def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | No
     return _make(name, **kwargs)
 
 
+def make_host_policy(cfg: Config, history: History, reuse: ReuseModel) -> Policy:
+    """The host tier's policy: weighted by the host's own reuse model, with the LRU shadow of
+    ``host.shadow_rate``."""
+    return make_policy(cfg.host.policy, cfg, history, reuse, {"shadow_rate": cfg.host.shadow_rate})
+
+
 def make_disk_policy(cfg: Config, history: History, evict_model: ReuseModel) -> Policy:
     """The disk tier's policy: weighted by the admission rule's eviction model
     (:attr:`Placement.evict_model`) under ``predicted`` admission, aged by ``disk.idle_aging``."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from tierkv.cache import tuning
 from tierkv.daemon.config import Config
-from tierkv.daemon.startup import make_disk_policy, make_policy
+from tierkv.daemon.startup import make_disk_policy, make_host_policy
 from tierkv.tiers.disk import stored_size
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ def apply(st: BlockStore, new: Config, changed: set[str]) -> None:
                             disk.map_size if disk is not None else 0)
     host_policy = disk_policy = None
     if tuning.policy_changed("host", changed):
-        host_policy = make_policy(new.host.policy, new, st.history, st.host_reuse)
+        host_policy = make_host_policy(new, st.history, st.host_reuse)
     if tuning.policy_changed("disk", changed):
         disk_policy = make_disk_policy(new, st.history, st.admission.evict_model)
     with st.lock:
@@ -51,7 +51,7 @@ def apply(st: BlockStore, new: Config, changed: set[str]) -> None:
 def _swap_host_policy(st: BlockStore, policy, new: Config) -> None:
     """Same policy: new weights; another: it takes over every ready host block. Lock held."""
     if policy.name == st.hostp.policy.name:
-        st.hostp.policy.update(**new.policy_settings(new.host.policy))
+        st.hostp.policy.update(**policy.settings())
         return
     for b in st.table.records():
         if b.host_off is not None and b.loading is None:

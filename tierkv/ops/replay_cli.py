@@ -72,6 +72,7 @@ def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -
         t.admission = "all" if name == "opt" else admission
     if name == "default":
         tiers[0].policy = daemon.host.policy
+        tiers[0].policy_settings = {**tiers[0].policy_settings, "shadow_rate": daemon.host.shadow_rate}
         for t in tiers[1:]:
             t.policy, t.admission = daemon.disk.policy, daemon.disk.admission
             t.policy_settings = {**t.policy_settings, "idle_aging": daemon.disk.idle_aging}
@@ -168,6 +169,11 @@ def _print_profile(p: dict[str, Any]) -> None:
                          for m, r in rec["admission_runs"].items())
         echo(f"admission           disk.admission = \"{rec['admission']}\" ({rec['admission_why']})")
         echo(f"                    default placement: {runs}; opt {rec['opt']['token_hit_rate'] * 100:.1f}%")
+        shadow = ", ".join(f"{k} {r['token_hit_rate'] * 100:.2f}%" for k, r in rec["shadow_runs"].items())
+        echo(f"host order          host.shadow_rate = {rec['shadow_rate']} ({shadow})")
+        ratio = f"{rec['writes_ratio']:.2f}x" if rec["writes_ratio"] is not None else "-"
+        echo(f"against the default {rec['gain_points']:+.2f} points of token hit rate, {ratio} the disk bytes "
+             f"(the default configuration: {rec['default']['token_hit_rate'] * 100:.2f}%)")
 
 
 @click.command("replay")
@@ -188,8 +194,9 @@ def _print_profile(p: dict[str, Any]) -> None:
 @click.option("--host-bw", default="25GB/s", show_default=True, help="Host -> GPU bandwidth.")
 @click.option("--disk-bw", default="5GB/s", show_default=True, help="Disk -> GPU bandwidth (raw bytes).")
 @click.option("--disk-write-bw", default="2GB/s", show_default=True,
-              help="Disk writer bandwidth (stored bytes); while it has nothing queued every host victim is "
-                   "written, as the daemon's writer does. 0 leaves it out: the admission rule decides all.")
+              help="Disk writer bandwidth (stored bytes); while it has nothing queued every host victim but "
+                   "the tails under the admission floor is written, as the daemon's writer does. 0 leaves it "
+                   "out: the admission rule decides all.")
 @click.option("--disk-latency-ms", default=0.1, show_default=True, type=click.FloatRange(0))
 @click.option("--disk-compression", default=1.4, show_default=True, type=click.FloatRange(1.0),
               help="Raw / stored bytes on disk.")
@@ -290,6 +297,8 @@ def _advise(workload: Workload, config: ReplayConfig, configure: Configure, as_j
     adv = advise_admission(workload, config, rec["host_bytes"], rec["disk_bytes"], configure)
     rec["admission"], rec["admission_why"], rec["admission_runs"] = adv["admission"], adv["why"], adv["runs"]
     rec["opt"] = adv["opt"]
+    for k in ("shadow_rate", "shadow_runs", "default", "gain_points", "writes_ratio"):
+        rec[k] = adv[k]
     if as_json:
         click.echo(json.dumps(prof, indent=2))
     else:

@@ -4,6 +4,11 @@ The daemon's default placement (as the config sets it) is replayed at the recomm
 sizes once per admission mode; the advice is the mode with the highest token hit rate, preferring
 fewer disk bytes written when hit rates are within ``tie_points`` of each other. OPT writing every
 victim is replayed beside them as the ceiling.
+
+The host order is advised the same way: with the chosen mode, the default placement is replayed at
+each ``host.shadow_rate`` of ``shadow_rates`` (0: the learned score alone; 1: the shadow simulates
+every key), and the advice says how many points and what share of the disk writes it measured
+against the default configuration (the configured mode and shadow rate) on this trace.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from tierkv.sim.workload import Workload
 def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, disk_bytes: int,
                      configure: Callable[[str, ReplayConfig], ReplayConfig],
                      modes: Sequence[str] = ("predicted", "reused", "all"),
-                     tie_points: float = 0.5) -> dict[str, Any]:
+                     tie_points: float = 0.5, shadow_rates: Sequence[float] = (0.0, 1.0)) -> dict[str, Any]:
     """Replay the default placement under each admission mode and pick one.
 
     Args:
@@ -36,9 +41,13 @@ def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, 
             per-policy setup, which makes ``default`` the daemon's placement).
         modes: admission modes to compare.
         tie_points: hit-rate difference (percentage points) under which fewer writes win.
+        shadow_rates: ``host.shadow_rate`` values replayed beside the configured one.
 
     Returns:
-        ``{"admission": mode, "why": text, "runs": {mode: figures}, "opt": figures}``.
+        ``{"admission": mode, "why": text, "runs": {mode: figures}, "opt": figures, "shadow_rate":
+        the advised rate, "shadow_runs": {rate: figures}, "default": figures of the configuration as
+        it is, "gain_points": advised minus default hit rate, "writes_ratio": advised / default disk
+        bytes}``.
     """
     host = TierSpec(**{**asdict(config.tiers[0]), "capacity": max(1, host_bytes)})
     if len(config.tiers) > 1:
@@ -50,13 +59,18 @@ def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, 
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
     base = ReplayConfig(**{**fields, "tiers": [host, disk]})
 
-    def run(name: str, mode: str) -> ReplayResult:
+    def run(name: str, mode: str | None, shadow: float | None = None) -> ReplayResult:
         cfg = configure(name, base)
-        if name != "opt":
+        if name != "opt" and mode is not None:
             for t in cfg.tiers[1:]:
                 t.admission = mode
+        if shadow is not None:
+            cfg.tiers[0].policy_settings = {**cfg.tiers[0].policy_settings, "shadow_rate": shadow}
         return replay(workload, name, cfg)
 
+    configured = configure("default", base)
+    default_mode = configured.tiers[1].admission_mode
+    default_rate = float(configured.tiers[0].policy_settings.get("shadow_rate", 0.0))
     runs = {mode: run("default", mode) for mode in modes}
     best = max(runs.values(), key=lambda r: r.token_hit_rate)
     close = [m for m, r in runs.items() if (best.token_hit_rate - r.token_hit_rate) * 100 <= tie_points]
@@ -65,7 +79,18 @@ def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, 
     figures = {m: _figures(r) for m, r in runs.items()}
     why = (f"highest token hit rate at host {fmt_bytes(host_bytes)} / disk {fmt_bytes(disk_bytes)}"
            + (f" (within {tie_points} points, fewest disk writes)" if len(close) > 1 else ""))
-    return {"admission": pick, "why": why, "runs": figures, "opt": _figures(opt)}
+    shadow_runs = {default_rate: runs[pick]}
+    for rate in shadow_rates:
+        if rate not in shadow_runs:
+            shadow_runs[rate] = run("default", pick, rate)
+    best_rate = max(shadow_runs, key=lambda k: (round(shadow_runs[k].token_hit_rate, 6), k == default_rate, -k))
+    default = runs[default_mode] if default_mode in runs else run("default", None)
+    advised = shadow_runs[best_rate]
+    return {"admission": pick, "why": why, "runs": figures, "opt": _figures(opt), "shadow_rate": best_rate,
+            "shadow_runs": {str(k): _figures(v) for k, v in shadow_runs.items()}, "default": _figures(default),
+            "gain_points": (advised.token_hit_rate - default.token_hit_rate) * 100,
+            "writes_ratio": advised.disk_writes_bytes / default.disk_writes_bytes if default.disk_writes_bytes
+            else None}
 
 
 def _figures(r: ReplayResult) -> dict[str, Any]:

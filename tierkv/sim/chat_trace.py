@@ -3,6 +3,8 @@
 Conversations start as a Poisson process. Each opens with one of a few shared system prompts; every
 turn's prompt is the previous prompt plus the previous reply plus a new user message, sent after a
 think time (exponential), so reuse is dominated by recency: the next turn of a live conversation.
+With ``idle_p`` a turn is followed now and then by a long idle gap (the user comes back later), and
+with ``abandon_p`` a conversation is left after its first turn.
 A turn's full blocks keep their ids in later turns (equal id means equal prefix); the partial last
 block gets a new id when the next turn fills it.
 """
@@ -31,6 +33,9 @@ class ChatTraceSpec:
         reply_tokens: (min, max) tokens of a reply.
         block_tokens: tokens per ``hash_ids`` entry.
         seed: random seed.
+        idle_p: chance that a turn is followed by a long idle gap instead of the think time.
+        idle_s: mean seconds of a long idle gap.
+        abandon_p: chance that a conversation is left after its first turn.
     """
 
     conversations: int = 800
@@ -43,8 +48,13 @@ class ChatTraceSpec:
     reply_tokens: tuple[int, int] = (100, 800)
     block_tokens: int = 512
     seed: int = 0
+    idle_p: float = 0.0
+    idle_s: float = 900.0
+    abandon_p: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (0 <= self.idle_p <= 1 and 0 <= self.abandon_p <= 1 and self.idle_s >= 0):
+            raise ValueError("0 <= idle_p, abandon_p <= 1 and idle_s >= 0 are needed")
         if self.conversations < 1 or self.rate_per_s <= 0 or self.mean_turns < 1 or self.think_s < 0:
             raise ValueError("conversations >= 1, rate_per_s > 0, mean_turns >= 1 and think_s >= 0 are needed")
         for lo, hi in (self.user_tokens, self.reply_tokens):
@@ -76,6 +86,8 @@ def generate(spec: ChatTraceSpec) -> list[dict]:
         system = rng.randrange(spec.system_prompts)
         turns = 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - 1.0 / spec.mean_turns)) \
             if spec.mean_turns > 1 else 1
+        if spec.abandon_p and rng.random() < spec.abandon_p:
+            turns = 1
         t, context = start, spec.system_tokens
         for turn in range(turns):
             context += rng.randint(*spec.user_tokens)
@@ -83,7 +95,10 @@ def generate(spec: ChatTraceSpec) -> list[dict]:
             events.append((t, len(events), {"input_length": context, "output_length": reply,
                                             "hash_ids": _ids(spec, conv, system, context, turn)}))
             context += reply
-            t += rng.expovariate(1.0 / spec.think_s) if spec.think_s else 0.0
+            if spec.idle_p and rng.random() < spec.idle_p:
+                t += rng.expovariate(1.0 / spec.idle_s) if spec.idle_s else 0.0
+            else:
+                t += rng.expovariate(1.0 / spec.think_s) if spec.think_s else 0.0
     events.sort(key=lambda e: (e[0], e[1]))
     return [{"timestamp": int(round(ts * 1000)), **req} for ts, _, req in events]
 

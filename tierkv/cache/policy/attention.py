@@ -28,6 +28,13 @@ conversation idle for long goes before a busier one whatever their values were.
 
 A block is only a candidate once none of its prefix children is resident in this tier
 (``tails_first``): a parent is worth at least its children, so chains shrink from the tail.
+
+With ``shadow_rate`` > 0 the policy never trails plain recency for long: a
+:class:`~tierkv.cache.policy.shadow.Shadow` runs this score and LRU side by side on a hash sample of
+the branches (:meth:`~tierkv.cache.policy.history.History.branch`: a sampled branch is seen whole,
+so the orders are compared on the prefixes they keep; ``shadow_rate`` of them, at that fraction of
+the tier's bytes), and while LRU is the one hitting more there, the tier evicts in LRU order (the score is kept up to date all the while, so it
+takes over again as soon as it leads). A tier where the score wins evicts exactly as without it.
 Use counts and depths live in a :class:`~tierkv.cache.policy.history.History` that may be shared by
 the policies of all tiers, so heat survives demotion and re-fetch.
 """
@@ -35,11 +42,14 @@ the policies of all tiers, so heat survives demotion and re-fetch.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from tierkv.cache.policy.base import HeapPolicy, Setting, register
+from tierkv.cache.policy.base import HeapPolicy, Protected, Setting, never, register, walk_victims
 from tierkv.cache.policy.history import History, Record, decayed
+from tierkv.cache.policy.lru import LRUPolicy
+from tierkv.cache.policy.shadow import Shadow
 
 _MIB = float(1 << 20)
 _IDLE_START_S = 300.0  # idle_aging: the victims' mean idle time before any victim
@@ -83,6 +93,12 @@ class AttentionPolicy(HeapPolicy):
         "reuse_weight": Setting(1.0, "exponent of the learned chance of a return (0 = off)", min=0.0),
         "idle_aging": Setting(0.0, "half-life of a block's value without a use, as a multiple of the mean "
                               "idle time of the tier's victims (0 = the GDSF aging clock)", min=0.0, max=100.0),
+        "shadow_rate": Setting(0.0, "fraction of branches (by hash) on which this score and LRU are simulated side "
+                               "by side; the tier evicts in LRU order while LRU hits more there (0 = off)",
+                               min=0.0, max=1.0),
+        "shadow_window": Setting(20000.0, "sampled references over which the shadow counts hits", min=16.0),
+        "shadow_z": Setting(3.0, "standard deviations by which an order's lead in the shadow must pass a "
+                            "coin's to take over", min=0.0, max=10.0),
     }
 
     def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None,
@@ -100,12 +116,18 @@ class AttentionPolicy(HeapPolicy):
         self._hand: list[Hashable] = []  # the blocks the refresh hand goes over, and where it is
         self._hand_i = 0
         self._idle = _IDLE_START_S
+        self._recent: OrderedDict[Hashable, None] = OrderedDict()  # resident blocks, least recently used first
+        self._bytes = 0  # recorded sizes of the resident blocks
+        self.shadow: Shadow | None = None
+        self._shadow_key: tuple[float, float, float] | None = None
+        self._counts_uses = True  # False in a shadow's copy: the tier's own policy counts the uses
         super().__init__(**kwargs)
 
     def _settings_changed(self) -> None:
         s = self._settings
         old = getattr(self, "tails_first", None)
         self.tails_first = s["tails_first"]
+        self._make_shadow()
         scored = dict(self._scored) if self.tau else {}  # under idle aging a re-score keeps the idle time
         if not s["idle_aging"]:
             self.tau, self._idle = 0.0, _IDLE_START_S
@@ -119,6 +141,31 @@ class AttentionPolicy(HeapPolicy):
                 self._rescore(key)
             self._scored_at = None
             self._compact()
+
+    def _make_shadow(self) -> None:
+        """(Re)build the shadow when its settings changed; it starts empty."""
+        s = self._settings
+        key = (s["shadow_rate"], s["shadow_window"], s["shadow_z"])
+        if key == self._shadow_key:
+            return
+        self._shadow_key = key
+        if not s["shadow_rate"]:
+            self.shadow = None
+            return
+        copy = type(self)(clock=self.clock, cost_fn=self.cost_fn, history=self.history,
+                          reuse=self._shadow_reuse, **{**s, "shadow_rate": 0.0})
+        copy._counts_uses = False
+        self.shadow = Shadow([copy, LRUPolicy(clock=self.clock)], s["shadow_rate"], s["shadow_window"],
+                             s["shadow_z"])
+
+    def _shadow_reuse(self, key: Hashable) -> float:
+        """The reuse factor the shadow's copy of the score reads: this policy's, whenever it is set."""
+        return self.reuse(key) if self.reuse is not None else 1.0
+
+    @property
+    def follows_lru(self) -> bool:
+        """Whether the tier evicts in LRU order now (its shadow finds LRU hitting more)."""
+        return self.shadow is not None and self.shadow.leader == 1
 
     # -- score ------------------------------------------------------------------------------
     def miss_cost(self, key: Hashable, size: int, rec: Record | None = None) -> float:
@@ -241,8 +288,39 @@ class AttentionPolicy(HeapPolicy):
 
     def on_access(self, key: Hashable) -> None:
         if key in self._size:
-            self.history.use(key, self.clock(), self._settings["half_life_s"])
+            if self._counts_uses:
+                self.history.use(key, self.clock(), self._settings["half_life_s"])
             self._rescore(key)
+            self._recent.move_to_end(key)
+            shadow = self.shadow
+            if shadow is not None and shadow.sampled(self.history.branch(key)):
+                shadow.reference(key, self._size[key], self._parent.get(key))
+
+    def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
+        shadow = self.shadow
+        if shadow is None or nbytes <= 0:
+            return super().victims(nbytes, protected)
+        shadow.resize(self._bytes)
+        if shadow.leader == 0:
+            return super().victims(nbytes, protected)
+        size = self._size
+        chosen = walk_victims([((k, size[k]) for k in self._recent)], nbytes, protected)
+        if chosen is not None:
+            self._last_victims = set(chosen)
+        return chosen
+
+    def _add(self, key: Hashable, size: int, parent: Hashable | None) -> None:
+        super()._add(key, size, parent)
+        self._bytes += int(size)
+        self._recent[key] = None
+
+    def _discard(self, key: Hashable) -> bool:
+        size = self._size.get(key)
+        if not super()._discard(key):
+            return False
+        self._bytes -= size  # type: ignore[operator]
+        self._recent.pop(key, None)
+        return True
 
     def on_touch(self, key: Hashable, mass: float) -> None:
         if key not in self._size:

@@ -13,15 +13,19 @@ from collections.abc import Hashable
 
 
 class Record:
-    """Per-block memory: raw use count, decayed frequency, time of last use, depth in its chain."""
+    """Per-block memory: raw use count, decayed frequency, time of last use, depth in its chain, its
+    parent, how many children it has been seen with, and its branch (see :meth:`History.branch`)."""
 
-    __slots__ = ("count", "freq", "t", "depth")
+    __slots__ = ("count", "freq", "t", "depth", "parent", "children", "branch")
 
     def __init__(self, t: float, depth: int = 0) -> None:
         self.count = 0
         self.freq = 0.0
         self.t = t
         self.depth = depth
+        self.parent: Hashable | None = None
+        self.children = 0
+        self.branch: Hashable | None = None
 
 
 class History:
@@ -51,11 +55,26 @@ class History:
                 self._rec.popitem(last=False)
         else:
             self._rec.move_to_end(key)
-            if parent is not None and rec.depth == 0:
-                prec = self._rec.get(parent)
-                if prec is not None:
-                    rec.depth = prec.depth + 1
+            prec = self._rec.get(parent) if parent is not None else None
+            if prec is not None and rec.depth == 0:
+                rec.depth = prec.depth + 1
+        if parent is not None and rec.parent is None:
+            rec.parent = parent
+            if prec is not None:
+                prec.children += 1
         return rec
+
+    def branch(self, key: Hashable) -> Hashable:
+        """The first block of ``key``'s branch: walking up its chain, the block below the nearest
+        ancestor seen with more than one child (or the chain's first block). Requests that share a
+        prompt and go their own ways below it have branches of their own. Computed from the parent's
+        branch as last computed (a chain is used from its first block on, so that one is current)."""
+        rec = self._rec.get(key)
+        if rec is None:
+            return key
+        prec = self._rec.get(rec.parent) if rec.parent is not None else None
+        rec.branch = prec.branch if prec is not None and prec.children == 1 and prec.branch is not None else key
+        return rec.branch
 
     def use(self, key: Hashable, now: float, half_life_s: float, parent: Hashable | None = None) -> Record:
         """Count one use of ``key`` at ``now``: ``F <- F * 2^(-dt/half_life) + 1``."""

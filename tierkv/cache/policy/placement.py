@@ -8,10 +8,20 @@ victim is requested again, and writes it when the expected saving beats the writ
 
     p * recompute_s * (1 + depth_cost * depth) >= write_s
 
-Write bandwidth is a budget, not a filter: while the writer has spare bandwidth (``spare``, from
-the caller) every victim goes; under pressure the least valuable are skipped first. Pinned and
-shared blocks are always written. The other modes: ``reused`` (used twice, shared or pinned),
+Write bandwidth is a budget: while the writer has spare bandwidth (``spare``, from the caller) every
+victim goes but the tails under the floor (below); under pressure the least valuable are skipped
+first. Pinned and shared blocks are always written. The other modes: ``reused`` (used twice, shared or pinned),
 ``all``, ``pinned``.
+
+The floor: a chain's tail (the last block of the request it was last seen in, which no later
+request has extended) comes back only when a later request holds it whole: the next turn of a
+conversation does when the tail is a full block and never when it is a partial one. A third model
+(``floor_model``) learns on a ghost list ``floor_horizon`` (0.25) times as long as the admission
+model's, so it counts a tail that never returns as a miss after a quarter of the departures the
+admission model waits (on a short trace, that model's list may never turn over). A tail whose class
+returns less often than ``floor`` (0.05) within that shorter list is not written, writer idle or
+busy. Other blocks are left to the admission model: a class that returns late (after the shorter
+list) would look dead to the floor (docs/placement.md).
 
 The colder tier's eviction order weighs its blocks by a second model (``evict_model``, a
 :meth:`~tierkv.cache.policy.reuse.ReuseModel.sibling` over the same block records), whose ghost list
@@ -55,6 +65,10 @@ class Placement:
         "write_s": Setting(0.02, "seconds of writer time one block costs", min=0.0),
         "evict_horizon": Setting(0.75, "ghost list of the model the tier's eviction order weighs blocks "
                                  "by, as a multiple of ghost_entries", min=0.01, max=16.0),
+        "floor": Setting(0.05, "a chain tail whose chance of a return within floor_horizon is below this "
+                         "is not written (0 = off)", min=0.0, max=1.0),
+        "floor_horizon": Setting(0.25, "ghost list of the model the floor reads, as a multiple of "
+                                 "ghost_entries", min=0.01, max=16.0),
     }
 
     def __init__(self, mode: str = "predicted", **settings: Any) -> None:
@@ -64,6 +78,7 @@ class Placement:
         self._settings = checked_settings(self.SETTINGS, {k: s.default for k, s in self.SETTINGS.items()},
                                           own, "admission")
         self.evict_model = self.model.sibling(self._evict_ghost())
+        self.floor_model = self.model.sibling(self._floor_ghost())
         self.admitted = 0
         self.rejected = 0
 
@@ -72,6 +87,7 @@ class Placement:
         """A request named ``keys`` (its prefix chain, in order); see :meth:`ReuseModel.requested`."""
         self.model.requested(keys, now)
         self.evict_model.returned(keys)
+        self.floor_model.returned(keys)
 
     def request_finished(self, keys: Sequence[Hashable], now: float, output_tokens: int | None = None) -> None:
         """A request finished; ``keys`` are a conversation tail that may be extended."""
@@ -81,6 +97,7 @@ class Placement:
         """``keys`` (a chain) were stored; see :meth:`ReuseModel.stored`."""
         self.model.stored(keys, now)
         self.evict_model.returned(keys)
+        self.floor_model.returned(keys)
 
     # -- the decision -----------------------------------------------------------------------------
     def wants(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
@@ -93,9 +110,13 @@ class Placement:
             return False
         if mode == "reused":
             return sharers >= 2 or self.model.uses(key) >= 2
-        if spare or sharers >= 2:
+        if sharers >= 2:
             return True
         s = self._settings
+        if s["floor"] and self.model.is_tail(key) and self.floor_model.p(key, now) < s["floor"]:
+            return False
+        if spare:
+            return True
         saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self.model.depth(key))
         return self.model.p(key, now) * saved >= s["write_s"]
 
@@ -109,12 +130,14 @@ class Placement:
             now: the caller's clock (seconds).
             sharers: live leases plus prefix children.
             pinned: the block belongs to a pinned prefix.
-            spare: the writer has spare bandwidth (its queue is empty): every victim goes.
+            spare: the writer has spare bandwidth (its queue is empty): every victim goes but the
+                tails under the floor.
         """
         ok = self.wants(key, now, sharers=sharers, pinned=pinned, spare=spare)
         if self.mode == "predicted":
             self.model.left(key, now)
             self.evict_model.left(key, now)
+            self.floor_model.left(key, now)
         if ok:
             self.admitted += 1
         else:
@@ -124,8 +147,12 @@ class Placement:
     def snapshot(self) -> dict[str, Any]:
         """Counters and the learned classes (for ``tierkv stats``)."""
         return {"mode": self.mode, "admitted": self.admitted, "rejected": self.rejected,
-                **self.model.snapshot(), "eviction": {k: v for k, v in self.evict_model.snapshot().items()
-                                                      if k in ("returns", "ghost", "restored_counts", "classes")}}
+                **self.model.snapshot(), "eviction": self._brief(self.evict_model),
+                "floor": self._brief(self.floor_model)}
+
+    @staticmethod
+    def _brief(model: ReuseModel) -> dict[str, Any]:
+        return {k: v for k, v in model.snapshot().items() if k in ("returns", "ghost", "restored_counts", "classes")}
 
     # -- settings ---------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -140,7 +167,12 @@ class Placement:
         self.model.update(**model)
         self._settings, self.mode = own, mode
         self.evict_model.update(**{**self.model.settings(), "ghost_entries": self._evict_ghost()})
+        self.floor_model.update(**{**self.model.settings(), "ghost_entries": self._floor_ghost()})
 
     def _evict_ghost(self) -> int:
         """The eviction model's ghost list: ``evict_horizon`` times the admission model's."""
         return max(16, round(self._settings["evict_horizon"] * self.model.settings()["ghost_entries"]))
+
+    def _floor_ghost(self) -> int:
+        """The floor model's ghost list: ``floor_horizon`` times the admission model's."""
+        return max(16, round(self._settings["floor_horizon"] * self.model.settings()["ghost_entries"]))

@@ -216,6 +216,11 @@ class ReuseModel:
         back, gone = self._back.get(cls, 0.0), self._gone.get(cls, 0.0)
         return (back + 2.0 * self._settings["prior"]) / (back + gone + 2.0)
 
+    def is_tail(self, key: Hashable) -> bool:
+        """Whether ``key`` is the tail of the chain it was last seen in (no later request extended it)."""
+        r = self._rec.get(key)
+        return r is not None and r.chain.tail == key
+
     def p(self, key: Hashable, now: float) -> float:
         """The learned chance that ``key`` comes back once it leaves the tier."""
         return self.class_p(self.block_class(key, now))
