@@ -238,7 +238,7 @@ def returning_lines(n: int, pages: int, p: float, gap: int) -> list[str]:
 def test_disk_shadow_writes_every_victim_where_write_all_wins():
     """Victims the rule learns to skip come back: the shadow finds write-all ahead, every victim is
     written, and the two tiers hit within 0.3 points of LRU writing every victim."""
-    runs = replay_two_tiers(returning_lines(20000, 8, 0.1, 30), "0.1%", "50%")
+    runs = replay_two_tiers(returning_lines(40000, 4, 0.1, 30), "0.05%", "50%")
     (lru, _), (default, rule) = runs["lru"], runs["default"]
     shadow = rule.snapshot()["shadow"]
     assert rule.shadow is not None and rule.writes_all and shadow["leader"] == "all"
@@ -267,22 +267,23 @@ def test_disk_shadow_keeps_the_rule_where_it_wins():
 
 
 def test_admission_shadow_counts_returns_of_victims():
-    """Write-all's cache takes every departed victim, the rule's only those written; a return counts
-    once (until the key departs again), and a lead of z standard deviations moves the leader."""
+    """Write-all's cache takes every departed victim, the rule's only those written; a request's returns
+    are one comparison (a key counts until it departs again), and a lead of z standard deviations
+    moves the leader."""
     from tierkv.cache.policy.admission_shadow import AdmissionShadow
 
     s = AdmissionShadow(1.0, z=1.0)
     s.resize(4)
     for k in range(4):
         s.departed(k, 1, k % 2 == 0)  # the rule writes 0 and 2
-    s.departed(9, 1, None)  # on the tier already: both hold it
-    for k in (0, 1, 1, 9):
-        s.returned(k)
-    # 1 counts once; 9 pushed 0 out of write-all's cache (LRU, 4 bytes), so 0 hits the rule's alone
-    assert s.references == 3 and s.hits == pytest.approx([2.0, 2.0], abs=0.01)
+    s.departed(9, 1, None)  # on the tier already: both hold it, and it pushes 0 out of write-all's
+    s.requested([0])  # the rule's cache alone holds 0
+    s.requested([1, 9, 50])  # write-all's holds two of them, the rule's one; 50 never left
+    s.requested([1])  # back already: not a return
+    assert s.references == 2 and s.hits == pytest.approx([2.0, 2.0], abs=0.01)
     assert s.wins[0][1] == pytest.approx(1.0, abs=0.01) and s.wins[1][0] == pytest.approx(1.0, abs=0.01)
     assert s.leader == 0
     for k in range(10, 14):  # write-all's cache alone holds these when they come back
         s.departed(k, 1, False)
-        s.returned(k)
+        s.requested([k])
     assert s.leader == 1 and s.switches == 1 and s.snapshot()["leader"] == "all"

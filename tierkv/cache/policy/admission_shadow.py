@@ -4,11 +4,13 @@ On a hash sample of the branches (the caller's sampling unit, as for
 :class:`~tierkv.cache.policy.shadow.Shadow`), two small caches of ``rate`` times the tier's bytes
 are fed by the same victims of the faster tier, both in LRU order: the rule's (a victim goes in
 when the rule admitted it) and write-all's (every victim goes in). A victim the tier already holds
-goes into both. When a request names a sampled key that left the faster tier since it was last
-requested, each small cache holding it hits. The two are compared on the returns where they
-disagree, with the decayed win counts and the ``z``-standard-deviation test of the eviction
-shadow; while write-all leads, the rule's owner writes every victim (and the shadow keeps asking
-the rule, so it takes over again once write-all no longer leads).
+goes into both. A sampled key named by a request after it left the faster tier (and before it
+leaves again) is a return, a hit in each small cache holding it. One request is one comparison, as
+the blocks of one branch come back together: the side whose cache holds more of the request's
+returns wins it. The two are compared on the requests where they disagree, with the decayed win
+counts and the ``z``-standard-deviation test of the eviction shadow; while write-all leads, the
+rule's owner writes every victim (and the shadow keeps asking the rule, so it takes over again once
+write-all no longer leads).
 
 Plain code, no threads and no I/O: the daemon and ``tierkv replay`` run the same shadow.
 """
@@ -16,7 +18,7 @@ Plain code, no threads and no I/O: the daemon and ``tierkv replay`` run the same
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from tierkv.cache.policy.shadow import elect, key_hash
@@ -29,7 +31,7 @@ class AdmissionShadow:
 
     Args:
         rate: fraction of the sampling units sampled, in (0, 1].
-        window: sampled returns over which hits are counted (exponential decay).
+        window: requests with sampled returns over which wins are counted (exponential decay).
         z: standard deviations by which one side's lead must pass a coin's to take over.
     """
 
@@ -68,21 +70,26 @@ class AdmissionShadow:
         if key not in self._caches[0] and key not in self._caches[1]:
             self._away.discard(key)
 
-    def returned(self, key: Hashable) -> None:
-        """A request names ``key``: if it is a sampled key out of the faster tier, a return to count."""
-        if key not in self._away:
+    def requested(self, keys: Iterable[Hashable]) -> None:
+        """A request names ``keys``: its sampled keys out of the faster tier are one comparison."""
+        away = self._away
+        back = [k for k in keys if k in away]
+        if not back:
             return
-        self._away.discard(key)
+        hit = [0, 0]
+        for key in back:
+            away.discard(key)
+            for i, cache in enumerate(self._caches):
+                if key in cache:
+                    hit[i] += 1
+                    cache.move_to_end(key)
         self.references += 1
         keep = self.keep
-        hit = [key in c for c in self._caches]
-        for i, cache in enumerate(self._caches):
+        for i in range(2):
             self.hits[i] = self.hits[i] * keep + hit[i]
             row = self.wins[i]
             for j in range(2):
-                row[j] = row[j] * keep + (hit[i] and not hit[j])
-            if hit[i]:
-                cache.move_to_end(key)
+                row[j] = row[j] * keep + (hit[i] > hit[j])
         best = elect(self.wins, self.leader, self.z)
         if best != self.leader:
             self.leader = best
@@ -101,6 +108,6 @@ class AdmissionShadow:
 
     def snapshot(self) -> dict[str, Any]:
         """The leader, the decayed hit counts and how often the leader changed (for ``tierkv stats``)."""
-        return {"leader": NAMES[self.leader], "hits": [round(h, 1) for h in self.hits],
+        return {"leader": NAMES[self.leader], "hits": [round(h, 1) for h in self.hits],  # blocks
                 "wins": [[round(w, 1) for w in row] for row in self.wins], "references": self.references,
                 "switches": self.switches, "rate": self.rate}

@@ -83,7 +83,8 @@ class Placement:
         "shadow_rate": Setting(0.0, "fraction of branches (by hash) on which the rule's writes and writing "
                                "every victim are simulated side by side; every victim is written while "
                                "write-all hits more there (0 = off)", min=0.0, max=1.0),
-        "shadow_window": Setting(20000.0, "sampled returns over which the shadow counts hits", min=16.0),
+        "shadow_window": Setting(20000.0, "requests with sampled returns over which the shadow counts wins",
+                                 min=16.0),
         "shadow_z": Setting(3.0, "standard deviations by which write-all's lead in the shadow must pass a "
                             "coin's to take over", min=0.0, max=10.0),
     }
@@ -135,8 +136,7 @@ class Placement:
         self.evict_model.returned(keys)
         self.floor_model.returned(keys)
         if self.shadow is not None:
-            for key in keys:
-                self.shadow.returned(key)
+            self.shadow.requested(keys)
 
     def request_finished(self, keys: Sequence[Hashable], now: float, output_tokens: int | None = None) -> None:
         """A request finished; ``keys`` are a conversation tail that may be extended."""
