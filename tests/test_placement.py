@@ -69,6 +69,7 @@ def test_request_finished_reaches_the_placement_rule(daemon):
         place = c.stats()["tiers"]["disk"]["placement"]
         assert place["mode"] == "predicted" and place["finished_requests"] == 1
         assert place["floor"]["ghost"] >= 0 and "classes" in place["floor"]  # the admission floor's model
+        assert place["shadow"]["leader"] == "predicted" and place["shadow"]["rate"] == 0.1  # disk.shadow_rate
         with pytest.raises(BadRequest):
             c.request_finished([b""])
         assert c.request_finished([]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 
 import pytest
 
@@ -206,3 +207,83 @@ def test_advise_measures_the_host_order_against_the_default(tmp_path):
     assert rec["gain_points"] >= 0
     res = CliRunner().invoke(replay_cmd, [str(path), "--advise", "--kv-bytes-per-token", "1"])
     assert "host.shadow_rate" in res.output and "against the default" in res.output
+
+
+def replay_two_tiers(lines: list[str], host: str, disk: str) -> dict:
+    """LRU writing every victim and the default (``configs/default.toml``) over host + disk."""
+    daemon = daemon_config(None)
+    w = Workload(parse_trace(lines))
+    tiers = [TierSpec("host", host), TierSpec("disk", disk, inclusive=True)]
+    out = {}
+    for name in ("lru", "default"):
+        sim = Simulator(w, name, tiers_for(name, ReplayConfig(tiers=tiers), daemon, "all"))
+        out[name] = (sim.run().token_hit_rate * 100, sim.rules[1])
+    return out
+
+
+def returning_lines(n: int, pages: int, p: float, gap: int) -> list[str]:
+    """Prompts of ``pages`` pages used once, a fraction ``p`` of them again ``gap`` requests later:
+    once learned, a return chance too low to pay for a write (there is no writer bandwidth to spare)."""
+    rng = random.Random(1)
+    at: dict[int, list[list[int]]] = {}
+    for i in range(n):
+        ids = [i * pages + j for j in range(pages)]
+        at.setdefault(i, []).append(ids)
+        if rng.random() < p:
+            at.setdefault(i + gap, []).append(ids)
+    chains = [ids for i in sorted(at) for ids in at[i]]
+    return [line((k + 1) * 1000, 512 * len(ids), ids) for k, ids in enumerate(chains)]
+
+
+def test_disk_shadow_writes_every_victim_where_write_all_wins():
+    """Victims the rule learns to skip come back: the shadow finds write-all ahead, every victim is
+    written, and the two tiers hit within 0.3 points of LRU writing every victim."""
+    runs = replay_two_tiers(returning_lines(40000, 4, 0.1, 30), "0.05%", "50%")
+    (lru, _), (default, rule) = runs["lru"], runs["default"]
+    shadow = rule.snapshot()["shadow"]
+    assert rule.shadow is not None and rule.writes_all and shadow["leader"] == "all"
+    assert shadow["wins"][1][0] > 0 and shadow["wins"][0][1] == 0
+    assert default >= lru - 0.3
+    assert rule.settings()["shadow_rate"] == daemon_config(None).disk.shadow_rate > 0  # the daemon's setting
+
+
+def scan_lines(n: int, hot: int) -> list[str]:
+    """Every other prompt one of ``hot`` recurring ones, the rest used once: writing the one-time
+    prompts pushes the recurring ones off a small disk."""
+    rng = random.Random(1)
+    out = []
+    for i in range(n):
+        base = 10**6 + rng.randrange(hot) * 3 if i % 2 else i * 3
+        out.append(line((i + 1) * 1000, 3 * 512, [base, base + 1, base + 2]))
+    return out
+
+
+def test_disk_shadow_keeps_the_rule_where_it_wins():
+    """One-time prompts the rule skips and recurring ones it keeps: the shadow keeps the rule."""
+    runs = replay_two_tiers(scan_lines(6000, 150), "1%", "5%")
+    (lru, _), (default, rule) = runs["lru"], runs["default"]
+    assert rule.snapshot()["shadow"]["leader"] == "predicted" and not rule.writes_all
+    assert default > lru
+
+
+def test_admission_shadow_counts_returns_of_victims():
+    """Write-all's cache takes every departed victim, the rule's only those written; a request's returns
+    are one comparison (a key counts until it departs again), and a lead of z standard deviations
+    moves the leader."""
+    from tierkv.cache.policy.admission_shadow import AdmissionShadow
+
+    s = AdmissionShadow(1.0, z=1.0)
+    s.resize(4)
+    for k in range(4):
+        s.departed(k, 1, k % 2 == 0)  # the rule writes 0 and 2
+    s.departed(9, 1, None)  # on the tier already: both hold it, and it pushes 0 out of write-all's
+    s.requested([0])  # the rule's cache alone holds 0
+    s.requested([1, 9, 50])  # write-all's holds two of them, the rule's one; 50 never left
+    s.requested([1])  # back already: not a return
+    assert s.references == 2 and s.hits == pytest.approx([2.0, 2.0], abs=0.01)
+    assert s.wins[0][1] == pytest.approx(1.0, abs=0.01) and s.wins[1][0] == pytest.approx(1.0, abs=0.01)
+    assert s.leader == 0
+    for k in range(10, 14):  # write-all's cache alone holds these when they come back
+        s.departed(k, 1, False)
+        s.requested([k])
+    assert s.leader == 1 and s.switches == 1 and s.snapshot()["leader"] == "all"

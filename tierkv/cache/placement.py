@@ -121,7 +121,10 @@ class HostPlacement:
         """Drop clean blocks for ``nbytes`` of new slots in one policy walk; returns blocks dropped."""
         victims = self.policy.victims(nbytes, self.protected_clean) or ()
         for fk in victims:
-            self.drop(self.table.blocks[fk])
+            b = self.table.blocks[fk]
+            if self.has_disk:
+                self.admission.departed(fk, self._disk_size(b), b.on_disk)
+            self.drop(b)
         return len(victims)
 
     def drop_unwritten(self, nbytes: int) -> int:
@@ -212,8 +215,15 @@ class HostPlacement:
             self.admission.admitted += ok
             self.admission.rejected += not ok
             return ok
+        self.admission.resize(int(self.cfg.disk.high_watermark * self.disk.capacity()))
         return self.admission.admit(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
-                                    spare=self.writer_idle())
+                                    spare=self.writer_idle(), size=self._disk_size(b))
+
+    def _disk_size(self, b: Block) -> int:
+        """About the bytes ``b`` would take on disk (its size at the disk's compression so far)."""
+        s = self.disk.stats
+        ratio = s.bytes_stored / s.bytes_logical if s.bytes_logical > 0 else 1.0
+        return self.disk.stored_size(max(1, int(b.nbytes * ratio)))
 
     # ---- demotion ---------------------------------------------------------------------------------
     def demotion(self, force: bool) -> list[Block]:
@@ -234,6 +244,8 @@ class HostPlacement:
         dirty = []
         for fk in victims:
             b = self.table.blocks[fk]
+            if b.on_disk and self.has_disk:
+                self.admission.departed(fk, self._disk_size(b), True)
             if b.on_disk or not self.has_disk or not self.admit(b):
                 self.drop(b)
             else:

@@ -61,7 +61,8 @@ class BlockStore:
         # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
         # history: the policies count uses with decay, admission counts each request once.
         self.admission = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
-                                   ghost_entries=HISTORY_ENTRIES // 2)
+                                   ghost_entries=HISTORY_ENTRIES // 2, shadow_rate=cfg.disk.shadow_rate)
+        self.admission.unit = self.history.branch  # the shadow samples branches, as the host's does
         self.data_dir = data_dir
         learned.load(self.learned_models(), data_dir)
         self.diskp = DiskPlacement(self.table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg,

@@ -119,6 +119,11 @@ class DiskConfig:
     pressure those whose learned chance of a return, times the recompute time saved, beats the write),
     every one, those used twice / shared / pinned, or pinned only. Durable puts and the shutdown flush
     are always written."""
+    shadow_rate: float = 0.1
+    """With ``predicted`` admission: the fraction of the chains' branches (by hash) whose host victims
+    feed two small LRU caches at that fraction of the disk's bytes, one taking the victims the rule
+    writes and one every victim; every victim is written while write-all hits clearly more there
+    (0: off, the rule alone)."""
 
 
 @dataclass
@@ -258,6 +263,8 @@ def _check_disk(d: DiskConfig) -> None:
         raise ValueError("disk.write_nice must be within 0..19")
     if not 0 <= d.idle_aging <= 100:
         raise ValueError(f"disk.idle_aging must be between 0 and 100, got {d.idle_aging!r}")
+    if not 0 <= d.shadow_rate <= 1:
+        raise ValueError(f"disk.shadow_rate must be within 0..1, got {d.shadow_rate!r}")
     from tierkv.codecs import available_codecs
 
     if d.codec not in available_codecs():

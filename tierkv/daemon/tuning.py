@@ -34,7 +34,7 @@ def apply(st: BlockStore, new: Config, changed: set[str]) -> None:
         if disk_policy is not None:
             _swap_disk_policy(st, disk_policy, new)
         st.set_config(new)
-        st.admission.update(mode=new.disk.admission)
+        st.admission.update(mode=new.disk.admission, shadow_rate=new.disk.shadow_rate)
         st.hostp.limit = min(st.host.capacity, new.host.capacity)
         if disk is not None:
             disk.capacity = new.disk.capacity

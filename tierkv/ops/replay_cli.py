@@ -76,9 +76,12 @@ def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -
         for t in tiers[1:]:
             t.policy, t.admission = daemon.disk.policy, daemon.disk.admission
             t.policy_settings = {**t.policy_settings, "idle_aging": daemon.disk.idle_aging}
+        admission = {"shadow_rate": daemon.disk.shadow_rate, **config.admission_settings}
         for pol in {t.policy for t in tiers}:
             settings[pol] = {**daemon.policy_settings(pol), **settings.get(pol, {})}  # type: ignore[arg-type]
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
+    if name == "default":
+        fields["admission_settings"] = admission
     return ReplayConfig(**{**fields, "tiers": tiers, "policy_settings": settings})
 
 

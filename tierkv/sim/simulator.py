@@ -102,7 +102,10 @@ class Simulator:
         settings = dict(self.config.admission_settings)
         settings.setdefault("ghost_entries", max(16, self.caps[tier] // max(self.sizes[tier], 1)))
         settings.setdefault("max_records", max(1 << 16, 4 * self.w.unique_pages))
-        return Placement(spec.admission_mode, **settings)
+        rule = Placement(spec.admission_mode, **settings)
+        rule.resize(self.caps[tier])
+        rule.unit = self.history.branch
+        return rule
 
     def _page_cost_fn(self, tier: int) -> Callable[[int, int], float]:
         """``cost_fn`` for tier ``tier``: seconds to need a page again once it left the tier."""
@@ -230,13 +233,18 @@ class Simulator:
     def _left(self, page: int, tier: int) -> None:
         if tier == 0 and self.host_reuse is not None:
             self.host_reuse.left(page, self.clock.now, len(self.policies[0]))
+        below = tier + 1
+        rule = self.rules[below] if below < len(self.rules) else None
+        if rule is not None and self.stack.held[page] >> below:  # a copy below: not offered to the rule
+            rule.departed(page, self.sizes[below], True)
 
     def _admit(self, page: int, tier: int) -> bool:
         """Whether a victim of tier ``tier - 1`` is written into ``tier``: the rule decides, told whether
         the tier's writer has spare bandwidth (nothing queued), as the daemon's writer tells it."""
         rule, now = self.rules[tier], self.clock.now
         bw = self.config.tiers[tier].write_bytes_per_s
-        ok = rule is None or rule.admit(page, now, spare=bw > 0 and self._writer_free[tier] <= now)
+        ok = rule is None or rule.admit(page, now, spare=bw > 0 and self._writer_free[tier] <= now,
+                                        size=self.sizes[tier])
         if ok and bw > 0:
             self._writer_free[tier] = max(self._writer_free[tier], now) + self.sizes[tier] / bw
         return ok

@@ -30,18 +30,29 @@ return while the tier would still hold the block, the admission rule a more gene
 synthetic trace the shorter list gains the eviction order 0.4-0.5 points and costs the admission
 rule 3.5: docs/placement.md).
 
+With ``shadow_rate`` > 0 the ``predicted`` rule never trails writing every victim for long: an
+:class:`~tierkv.cache.policy.admission_shadow.AdmissionShadow` feeds the victims of a hash sample of
+the branches (``unit``, set by the owner: the branch of a key; the key itself by default) to two
+small LRU caches, one taking the rule's writes and one every victim, and while write-all hits
+clearly more there every victim is written (as ``all``).
+
 Plain code, no threads and no I/O: the daemon and ``tierkv replay`` both call it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from tierkv.cache.policy.admission_shadow import AdmissionShadow
 from tierkv.cache.policy.base import Setting, checked_settings
 from tierkv.cache.policy.reuse import ReuseModel
 
 MODES = ("predicted", "reused", "all", "pinned")
+
+
+def _same(key: Hashable) -> Hashable:
+    return key
 
 
 def _check_mode(mode: str) -> str:
@@ -69,6 +80,13 @@ class Placement:
                          "is not written (0 = off)", min=0.0, max=1.0),
         "floor_horizon": Setting(0.25, "ghost list of the model the floor reads, as a multiple of "
                                  "ghost_entries", min=0.01, max=16.0),
+        "shadow_rate": Setting(0.0, "fraction of branches (by hash) on which the rule's writes and writing "
+                               "every victim are simulated side by side; every victim is written while "
+                               "write-all hits more there (0 = off)", min=0.0, max=1.0),
+        "shadow_window": Setting(20000.0, "requests with sampled returns over which the shadow counts wins",
+                                 min=16.0),
+        "shadow_z": Setting(3.0, "standard deviations by which write-all's lead in the shadow must pass a "
+                            "coin's to take over", min=0.0, max=10.0),
     }
 
     def __init__(self, mode: str = "predicted", **settings: Any) -> None:
@@ -81,6 +99,35 @@ class Placement:
         self.floor_model = self.model.sibling(self._floor_ghost())
         self.admitted = 0
         self.rejected = 0
+        self.unit: Callable[[Hashable], Hashable] = _same  # a key's sampling unit (its branch)
+        self.shadow: AdmissionShadow | None = None
+        self._shadow_key: tuple[float, float, float] | None = None
+        self._make_shadow()
+
+    def _make_shadow(self) -> None:
+        """(Re)build the shadow when its settings changed; it starts empty."""
+        s = self._settings
+        key = (s["shadow_rate"], s["shadow_window"], s["shadow_z"])
+        if key != self._shadow_key:
+            self._shadow_key = key
+            self.shadow = AdmissionShadow(*key) if key[0] else None
+
+    @property
+    def writes_all(self) -> bool:
+        """Whether every victim is written now (``predicted``, and the shadow finds write-all ahead)."""
+        return self.mode == "predicted" and self.shadow is not None and self.shadow.leader == 1
+
+    def resize(self, nbytes: int) -> None:
+        """The tier holds ``nbytes`` when full (the shadow's small caches are sized from it)."""
+        if self.shadow is not None:
+            self.shadow.resize(nbytes)
+
+    def departed(self, key: Hashable, size: int, held: bool) -> None:
+        """A victim not offered to :meth:`admit` left the faster tier (``held``: the tier has a copy;
+        else it was not worth writing), for the shadow."""
+        shadow = self.shadow
+        if shadow is not None and self.mode == "predicted" and shadow.sampled(self.unit(key)):
+            shadow.departed(key, size, None if held else False)
 
     # -- engine signals, passed to the models -----------------------------------------------------
     def requested(self, keys: Sequence[Hashable], now: float) -> None:
@@ -88,6 +135,8 @@ class Placement:
         self.model.requested(keys, now)
         self.evict_model.returned(keys)
         self.floor_model.returned(keys)
+        if self.shadow is not None:
+            self.shadow.requested(keys)
 
     def request_finished(self, keys: Sequence[Hashable], now: float, output_tokens: int | None = None) -> None:
         """A request finished; ``keys`` are a conversation tail that may be extended."""
@@ -103,6 +152,9 @@ class Placement:
     def wants(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
               spare: bool = False) -> bool:
         """Whether a victim ``key`` would be written (no side effects; see :meth:`admit`)."""
+        return self._rule(key, now, sharers, pinned, spare) or self.writes_all
+
+    def _rule(self, key: Hashable, now: float, sharers: int, pinned: bool, spare: bool) -> bool:
         mode = self.mode
         if mode == "all" or pinned:
             return True
@@ -121,7 +173,7 @@ class Placement:
         return self.model.p(key, now) * saved >= s["write_s"]
 
     def admit(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
-              spare: bool = False) -> bool:
+              spare: bool = False, size: int = 1) -> bool:
         """Whether a victim ``key`` is written to the tier; counts the decision and, in ``predicted``
         mode, remembers it on the model's ghost list.
 
@@ -132,12 +184,17 @@ class Placement:
             pinned: the block belongs to a pinned prefix.
             spare: the writer has spare bandwidth (its queue is empty): every victim goes but the
                 tails under the floor.
+            size: the bytes the block takes in the tier (for the shadow).
         """
-        ok = self.wants(key, now, sharers=sharers, pinned=pinned, spare=spare)
+        ok = self._rule(key, now, sharers, pinned, spare)
         if self.mode == "predicted":
             self.model.left(key, now)
             self.evict_model.left(key, now)
             self.floor_model.left(key, now)
+            shadow = self.shadow
+            if shadow is not None and shadow.sampled(self.unit(key)):
+                shadow.departed(key, size, ok)
+            ok = ok or self.writes_all
         if ok:
             self.admitted += 1
         else:
@@ -148,7 +205,8 @@ class Placement:
         """Counters and the learned classes (for ``tierkv stats``)."""
         return {"mode": self.mode, "admitted": self.admitted, "rejected": self.rejected,
                 **self.model.snapshot(), "eviction": self._brief(self.evict_model),
-                "floor": self._brief(self.floor_model)}
+                "floor": self._brief(self.floor_model),
+                **({"shadow": self.shadow.snapshot()} if self.shadow is not None else {})}
 
     @staticmethod
     def _brief(model: ReuseModel) -> dict[str, Any]:
@@ -166,6 +224,7 @@ class Placement:
         own = checked_settings(self.SETTINGS, self._settings, settings, "admission")
         self.model.update(**model)
         self._settings, self.mode = own, mode
+        self._make_shadow()
         self.evict_model.update(**{**self.model.settings(), "ghost_entries": self._evict_ghost()})
         self.floor_model.update(**{**self.model.settings(), "ghost_entries": self._floor_ghost()})
 

@@ -47,6 +47,19 @@ def key_hash(key: Hashable) -> float:
     return (x >> 11) / float(1 << 53)
 
 
+def elect(wins: Sequence[Sequence[float]], leader: int, z: float) -> int:
+    """The order that leads after ``leader``: the one whose wins over it pass its wins back by the most,
+    if by more than ``z`` standard deviations of a fair coin; else ``leader``."""
+    best, margin = leader, 0.0
+    for i in range(len(wins)):
+        if i != leader:
+            ahead, behind = wins[i][leader], wins[leader][i]
+            over = ahead - behind - z * math.sqrt(ahead + behind)
+            if over > margin:
+                best, margin = i, over
+    return best
+
+
 class Shadow:
     """Orders simulated over a hash sample of the keys; see the module docstring.
 
@@ -116,14 +129,8 @@ class Shadow:
             order.on_remove(v)
 
     def _elect(self) -> None:
-        lead, best, margin = self.leader, self.leader, 0.0
-        for i in range(len(self.orders)):
-            if i != lead:
-                ahead, behind = self.wins[i][lead], self.wins[lead][i]
-                over = ahead - behind - self.z * math.sqrt(ahead + behind)
-                if over > margin:
-                    best, margin = i, over
-        if best != lead:
+        best = elect(self.wins, self.leader, self.z)
+        if best != self.leader:
             self.leader = best
             self.switches += 1
 
