@@ -108,6 +108,19 @@ def test_attention_evicts_tails_first():
     assert pol.victims(1, lambda k: k == "other") == ["p"]
 
 
+def test_a_store_that_cannot_wait_passes_a_busy_tail_to_its_parent():
+    """A chain whose tail is being written: the usual walk finds nothing, the one for a store that
+    cannot wait takes the parent, and still prefers a free leaf of another chain."""
+    pol = build("attention", FakeClock())
+    pol.on_insert("p", 1)
+    pol.on_insert("c", 1, parent="p")
+    assert pol.victims(1, lambda k: k == "c") is None
+    assert pol.victims_past_busy(1, lambda k: k == "c") == ["p"]
+    assert pol.victims_past_busy(1, lambda k: k == "p") == ["c"]  # a free leaf needs no second walk
+    assert pol.victims_past_busy(1, lambda k: True) is None
+    assert build("lru", FakeClock()).victims_past_busy(1) is None  # empty
+
+
 def test_attention_frequency_sharers_and_mass_raise_priority():
     clock = FakeClock()
     pol = build("attention", clock)

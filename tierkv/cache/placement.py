@@ -131,7 +131,7 @@ class HostPlacement:
         """Drop dirty blocks (in the policy's order) for ``nbytes`` of new slots without writing them: a
         store must not wait for the disk writer, and a block the writer could not reach in time is a
         later miss, never a stalled step. Blocks in use or pinned stay. Returns blocks dropped."""
-        victims = self.policy.victims(nbytes, self.protected) or ()
+        victims = self.policy.victims_past_busy(nbytes, self.protected) or ()
         for fk in victims:
             b = self.table.blocks[fk]
             if not b.on_disk and self.has_disk:

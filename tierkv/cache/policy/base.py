@@ -152,6 +152,12 @@ class Policy(ABC):
             unprotected blocks are not enough. Membership is unchanged.
         """
 
+    def victims_past_busy(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
+        """Like :meth:`victims`, for a store that cannot wait: when the usual order finds too little, a
+        block that must stay does not hold back the blocks ordered after it (a chain whose tail is
+        being written gives up its parents). Same return as :meth:`victims`."""
+        return self.victims(nbytes, protected)
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -187,7 +193,8 @@ class HeapPolicy(Policy):
 
     Subclasses compute priorities and call :meth:`_set_priority`. Ties go to the older entry.
     With ``tails_first`` a block is only a candidate once none of its children is resident in this
-    tier, so prefix chains shrink from the tail (a parent is worth at least its children).
+    tier, so prefix chains shrink from the tail (a parent is worth at least its children). 
+    :meth:`victims_past_busy` lets a child that must stay pass its turn to its parent.
     """
 
     tails_first: ClassVar[bool] = False
@@ -269,6 +276,16 @@ class HeapPolicy(Policy):
             return []
         if self._pending:
             self._flush()
+        return self._walk(nbytes, protected, False)
+
+    def victims_past_busy(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
+        chosen = self.victims(nbytes, protected)
+        if chosen is None and self.tails_first and nbytes > 0:
+            chosen = self._walk(nbytes, protected, True)
+        return chosen
+
+    def _walk(self, nbytes: int, protected: Protected, busy_pass: bool) -> list[Hashable] | None:
+        """One victim walk; ``busy_pass``: a protected leaf lets its parent become a candidate."""
         heap, chosen, got = self._heap, [], 0
         popped: list[tuple[float, int, Hashable]] = []  # entries to put back (victims must not mutate)
         chosen_set: set[Hashable] = set()
@@ -282,22 +299,30 @@ class HeapPolicy(Policy):
                 continue  # not a leaf; it is pushed again when its last child leaves
             popped.append(entry)
             if protected(key):
+                if self.tails_first and busy_pass:
+                    self._release_parent(key, heap, taken_kids)
                 continue
             chosen.append(key)
             chosen_set.add(key)
             got += self._size[key]
-            parent = self._parent.get(key)
-            if self.tails_first and parent is not None and parent in self._size:
-                n = taken_kids.get(parent, 0) + 1
-                taken_kids[parent] = n
-                if n == self._kids[parent]:  # the parent would be a leaf once these go
-                    heapq.heappush(heap, (self._prio[parent], self._ver[parent], parent))
+            if self.tails_first:
+                self._release_parent(key, heap, taken_kids)
         for entry in popped:
             heapq.heappush(heap, entry)
         if got < nbytes:
             return None
         self._last_victims = chosen_set
         return chosen
+
+    def _release_parent(self, key: Hashable, heap: list[tuple[float, int, Hashable]],
+                        taken_kids: dict[Hashable, int]) -> None:
+        """``key`` was passed in a victim walk: its parent is a candidate once all its children were."""
+        parent = self._parent.get(key)
+        if parent is not None and parent in self._size:
+            n = taken_kids.get(parent, 0) + 1
+            taken_kids[parent] = n
+            if n == self._kids[parent]:  # the parent would be a leaf once these go
+                heapq.heappush(heap, (self._prio[parent], self._ver[parent], parent))
 
     def __len__(self) -> int:
         return len(self._size)
