@@ -193,7 +193,7 @@ class HeapPolicy(Policy):
 
     Subclasses compute priorities and call :meth:`_set_priority`. Ties go to the older entry.
     With ``tails_first`` a block is only a candidate once none of its children is resident in this
-    tier, so prefix chains shrink from the tail (a parent is worth at least its children). 
+    tier, so prefix chains shrink from the tail (a parent is worth at least its children).
     :meth:`victims_past_busy` lets a child that must stay pass its turn to its parent.
     """
 
