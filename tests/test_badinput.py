@@ -169,6 +169,7 @@ GARBAGE_BODIES: list[Any] = [
     {"keys": [b"k" * 16], "slots": [0], "durable": "yes"}, {"namespace": 5},
     {"namespace": {"model": "m", "layout": {"num_layers": -1}}}, {"settings": {"no.such": 1}},
     {"budget": "x", "sinks": 1, "recent": 1}, {"keys": [b"k" * 16], "priority": 1000},
+    {"keys": [b"k" * 16], "slots": [0], "chains": 5}, {"keys": [b"k" * 16], "slots": [0], "chains": [[0, 5]]},
 ]
 
 # Opcodes that change settings or run long scrubs are exercised by their own tests.
@@ -241,8 +242,14 @@ def test_slot_offsets_out_of_range(live):
         # aborting slots we do not own frees nothing of theirs
         c.ok(Op.ABORT, {"slots": [theirs, -1, 2**63, cap]})
         assert state_of(live) == before
+        # where chains start: increasing [index, parent] pairs within the keys, parent nil or a key
+        for chains in (5, [5], [[0]], [[1, None]], [[-1, None]], [["0", None]], [[0, b""]], [[0, b"k" * 129]],
+                       [[0, "k"]], [[0, None], [0, None]], [[0, None]] * 2, [[0.0, None]]):
+            status, reply = c.call(Op.COMMIT, {"keys": key, "slots": [mine], "chains": chains})
+            assert status == protocol.STATUS_ERROR and reply["code"] == "bad_request", (chains, reply)
+        assert state_of(live) == before
         # ours still commits after all that
-        assert c.ok(Op.COMMIT, {"keys": key, "slots": [mine]})["new"] == 1
+        assert c.ok(Op.COMMIT, {"keys": key, "slots": [mine], "chains": [[0, os.urandom(16)]]})["new"] == 1
         assert c.ok(Op.DELETE, {"keys": key})["deleted"] == 1
         other.ok(Op.ABORT, {"slots": [theirs]})
     finally:

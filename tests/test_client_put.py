@@ -47,3 +47,26 @@ def test_plain_put_larger_than_the_host_tier_is_a_clear_error(daemon_factory):
         small = keys_for(c, 4, seed=6)
         assert c.put(small, rand_blocks(4, seed=6)) == 4  # the connection is still usable
         assert torch.equal(c.get(small).view(torch.int16), rand_blocks(4, seed=6).view(torch.int16))
+
+
+def test_a_put_continuing_a_cached_prefix_keeps_the_chain_whole(daemon_factory):
+    """Chains stored a piece at a time (a prefix, then what later turns added) with ``parent``: the host
+    tier takes each chain from its tail, so every chain keeps a cached prefix (without it each piece
+    is a chain of its own, and an older piece, a prefix of the newer ones, goes first)."""
+    d = daemon_factory(["--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--no-disk"])
+    with d.client() as c:  # 8 KiB blocks: 128 slots
+        chains = [keys_for(c, 24, seed=200 + i) for i in range(4)]
+        for i, keys in enumerate(chains):
+            blocks = rand_blocks(24, seed=200 + i)
+            for lo in (0, 8, 16):
+                c.put(keys[lo:lo + 8], blocks[lo:lo + 8], parent=keys[lo - 1] if lo else None)
+        for i in range(8):  # 64 more blocks: about 40 of the chains' must go
+            c.put(keys_for(c, 8, seed=300 + i), rand_blocks(8, seed=300 + i))
+        held = [[c.lookup([k]) for k in keys] for keys in chains]
+        assert 0 < sum(map(sum, held)) < 96
+        for h in held:
+            assert h == sorted(h, reverse=True), f"a chain lost a block before its tail: {h}"
+        with pytest.raises(BadRequest, match="parent"):
+            c.put(chains[0][:2], rand_blocks(2), parent=chains[0][1])
+        with pytest.raises(BadRequest, match="parent"):
+            c.put(chains[0][:2], rand_blocks(2), parent="k")

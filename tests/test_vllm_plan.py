@@ -126,10 +126,12 @@ def test_decode_stores_each_block_as_it_fills_and_a_resumed_request_gets_new_blo
     planner = Planner(link(daemon), Namespace("vllm-plan", LAYOUT), BT)
     req = Req("d", list(range(BT + 10)))
     _, plan = prefill(planner, req, [5, 6])
-    assert [io.block_ids for io in plan.stores] == [[5]]
+    assert [io.block_ids for io in plan.stores] == [[5]] and plan.stores[0].parent is None
+    first = plan.stores[0].keys[0]
     req.all_token_ids.extend(range(BT - 10))  # decode fills block 2
     step = Step([], Cached(["d"], set(), [None], [2 * BT - 1]), {"d": 1})
-    assert [io.block_ids for io in planner.step(step).stores] == [[6]]
+    stores = planner.step(step).stores
+    assert [io.block_ids for io in stores] == [[6]] and stores[0].parent == first  # it continues block 1
     req.all_token_ids.extend(range(BT))  # preempted, resumed on other blocks: nothing stored twice
     step = Step([], Cached(["d"], {"d"}, [([8, 9, 10],)], [3 * BT - 1]), {"d": 1})
     assert [io.block_ids for io in planner.step(step).stores] == [[10]]

@@ -115,6 +115,30 @@ def validate_keys(keys: object, limit: int = 1 << 16) -> list[bytes]:
     return keys
 
 
+def validate_chains(chains: object, n: int) -> dict[int, bytes | None]:
+    """Check a commit's ``chains`` field: where chains of its ``n`` keys start, each a pair of an
+    increasing index and the key that chain continues (or nil). Missing: one chain with no parent.
+
+    Raises:
+        BadRequest: not a list of such pairs.
+    """
+    if chains is None:
+        return {0: None}
+    if not isinstance(chains, list) or len(chains) > n:
+        raise BadRequest("chains must be a list of [index, parent] pairs, at most one a key")
+    out: dict[int, bytes | None] = {}
+    last = -1
+    for pair in chains:
+        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int or not last < pair[0] < n:
+            raise BadRequest(f"chains must be [index, parent] pairs with increasing indexes below {n}")
+        parent = pair[1]
+        if parent is not None and (type(parent) is not bytes or not 0 < len(parent) <= MAX_KEY_BYTES):
+            raise BadRequest(f"a chain's parent must be nil or a key of 1..{MAX_KEY_BYTES} bytes")
+        out[pair[0]] = parent
+        last = pair[0]
+    return out
+
+
 def tier_of(b: Block) -> str:
     """The fastest tier holding a ready copy of ``b`` (a block being filled counts as its source)."""
     if b.gpu_off is not None and b.gpu_loading is None:

@@ -28,6 +28,34 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
+def check_parent(parent: bytes | None, keys: list[bytes]) -> bytes | None:
+    """``parent`` (the key a chain of ``keys`` continues) as a 1..128-byte key not among ``keys``, or None."""
+    if parent is None:
+        return None
+    if not isinstance(parent, bytes) or not (1 <= len(parent) <= 128):
+        raise BadRequest("parent must be a 1..128-byte key or None")
+    if parent in keys:
+        raise BadRequest("parent must not be one of the keys it precedes")
+    return parent
+
+
+def check_chains(chains: Sequence[tuple[int, bytes | None]] | None, keys: list[bytes]) -> list[list]:
+    """``chains`` (where chains of ``keys`` start, and what each continues) for the wire: pairs of an
+    increasing index into ``keys`` and a parent key or None; [] for the default (one chain, no parent)."""
+    if chains is None:
+        return []
+    out, last = [], -1
+    for pair in chains:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise BadRequest("chains must be (index, parent) pairs")
+        i, parent = pair
+        if type(i) is not int or not last < i < len(keys):
+            raise BadRequest(f"chain starts must be increasing indexes into the {len(keys)} keys, got {i!r}")
+        out.append([i, check_parent(parent, keys)])
+        last = i
+    return [] if out == [[0, None]] else out
+
+
 def check_blocks(layout: Layout, blocks: torch.Tensor | np.ndarray, n: int, device: str = "cpu") -> torch.Tensor:
     """``blocks`` as a contiguous tensor of ``n`` blocks of ``layout`` on ``device``."""
     shape = layout.batch_shape(n)

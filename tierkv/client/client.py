@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierkv.client.checks import check_blocks, check_keys, check_out, first_tensor
+from tierkv.client.checks import check_blocks, check_chains, check_keys, check_out, check_parent, first_tensor
 from tierkv.client.connection import Connection
 from tierkv.client.copies import as_bytes, copy_pairs, new_batch
 from tierkv.client.durable import durable_chunks
@@ -37,7 +37,7 @@ class Client(Connection):
 
     # ---- convenience layer ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor | np.ndarray, durable: bool = False,
-            tier: str | None = None, timeout: float | None = None) -> int:
+            tier: str | None = None, timeout: float | None = None, parent: bytes | None = None) -> int:
         """Store blocks ``[n, 2, layers, kv_heads, block_tokens, head_dim]`` under ``keys``.
 
         Returns once committed (with ``durable=True``: once synced to the disk tier, which survives a
@@ -52,6 +52,10 @@ class Client(Connection):
         ``timeout=0``, blocks not yet written to disk are dropped to make room (later misses, never a
         stalled caller).
 
+        ``keys`` are one prefix chain, each the child of the one before; ``parent`` is the key the chain
+        continues (the last block of a cached prefix; None: ``keys[0]`` starts a chain). The daemon's
+        eviction order keeps chains whole from the head and takes them from the tail.
+
         Returns:
             How many blocks were new.
 
@@ -59,19 +63,21 @@ class Client(Connection):
             BadRequest: bad keys or blocks, or a put that is not durable and exceeds the host tier.
         """
         keys = check_keys(keys)
+        parent = check_parent(parent, keys)
         tier = self._pick_tier(tier, blocks)
         src = check_blocks(self.layout, blocks, len(keys), self._device(tier))
         if not keys:
             return 0
         chunks = durable_chunks(len(keys), self.layout.block_bytes, self._pool_bytes) if durable else []
         if tier == "gpu" or len(chunks) <= 1:
-            return self._store(keys, src, durable, tier, timeout=timeout)
+            return self._store(keys, src, durable, tier, timeout=timeout, parent=parent)
         # A large durable put streams: each chunk's disk write is queued at its commit, and the copy of
         # the next chunk overlaps it; one SYNC then waits for them all.
         new = 0
         try:
             for lo, hi in chunks:
-                new += self._store(keys[lo:hi], src[lo:hi], True, tier, wait=False, timeout=timeout)
+                new += self._store(keys[lo:hi], src[lo:hi], True, tier, wait=False, timeout=timeout,
+                                   parent=keys[lo - 1] if lo else parent)
         except BaseException:
             try:
                 self._call(Op.SYNC, {})  # leave no pending write behind for a later put to report
@@ -82,7 +88,7 @@ class Client(Connection):
         return new
 
     def _store(self, keys: list[bytes], src: torch.Tensor, durable: bool, tier: str, wait: bool = True,
-               timeout: float | None = None) -> int:
+               timeout: float | None = None, parent: bytes | None = None) -> int:
         """ALLOC, copy the blocks not cached yet into their slots, COMMIT (ABORT if the copy fails)."""
         # A durable put writes every block, cached or not: a cached copy may live in host memory only,
         # and COMMIT makes durable exactly the keys it is given.
@@ -99,8 +105,12 @@ class Client(Connection):
             raise
         if not slots and not durable:
             return 0
-        return int(self._call(Op.COMMIT, {"keys": [keys[i] for i in todo], "slots": slots, "durable": durable,
-                                          "tier": tier, "wait": wait})["new"])
+        body = {"keys": [keys[i] for i in todo], "slots": slots, "durable": durable, "tier": tier, "wait": wait}
+        # each run of blocks not cached continues the block before it (the caller's parent for the first)
+        chains = [[j, keys[i - 1] if i else parent] for j, i in enumerate(todo) if j == 0 or i != todo[j - 1] + 1]
+        if chains and chains != [[0, None]]:
+            body["chains"] = chains
+        return int(self._call(Op.COMMIT, body)["new"])
 
     def _write(self, tier: str, slots: list[int], src: torch.Tensor, rows: list[int]) -> None:
         """Copy blocks ``src[rows[j]]`` into ``slots[j]``; done before the daemon may read them."""
@@ -186,20 +196,28 @@ class Client(Connection):
             body["timeout"] = _seconds(timeout)
         return Slots(self, self._call(Op.ALLOC, body)["slots"], tier)
 
-    def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False) -> int:
+    def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False,
+               chains: Sequence[tuple[int, bytes | None]] | None = None) -> int:
         """Publish written slots under ``keys`` (immutable from now on); duplicates are deduplicated.
+
+        ``keys`` are prefix chains, each key the child of the one before, except where ``chains`` says a
+        chain starts: pairs ``(index into keys, the key that chain continues or None)``. None: one
+        chain from ``keys[0]`` (see :meth:`put`'s ``parent``).
 
         Returns:
             How many blocks were new.
         """
         keys = check_keys(keys)
+        starts = check_chains(chains, keys)
         if not isinstance(slots, Slots) or not slots._open:
             raise BadRequest("slots must be an uncommitted Slots from alloc()")
         if len(keys) != len(slots):
             raise BadRequest(f"{len(keys)} keys for {len(slots)} slots")
         slots._open = False
-        return int(self._call(Op.COMMIT, {"keys": keys, "slots": slots.offsets, "durable": durable,
-                                          "tier": slots.tier})["new"])
+        body = {"keys": keys, "slots": slots.offsets, "durable": durable, "tier": slots.tier}
+        if starts:
+            body["chains"] = starts
+        return int(self._call(Op.COMMIT, body)["new"])
 
     def acquire(self, keys: Sequence[bytes], tier: str = "host") -> Lease:
         """Lease the longest cached prefix of ``keys`` in host memory (or GPU memory with ``tier="gpu"``),

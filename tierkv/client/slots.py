@@ -38,9 +38,10 @@ class Slots:
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.views[i]
 
-    def commit(self, keys: Sequence[bytes], durable: bool = False) -> int:
+    def commit(self, keys: Sequence[bytes], durable: bool = False,
+               chains: Sequence[tuple[int, bytes | None]] | None = None) -> int:
         """Publish the slots under ``keys``; returns how many were new. See :meth:`Client.commit`."""
-        return self._client.commit(keys, self, durable=durable)
+        return self._client.commit(keys, self, durable=durable, chains=chains)
 
     def abort(self) -> None:
         """Give the slots back without publishing them."""

@@ -213,8 +213,10 @@ class BlockStore:
         return self.store_path.alloc(s, self.ns(s), n, keys, tier, timeout)
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
-               tier: str = "host", wait: bool = True) -> int:
+               tier: str = "host", wait: bool = True, chains: dict[int, bytes | None] | None = None) -> int:
         """Publish written slots under ``keys``; returns how many were new (the rest deduplicated).
+        ``keys`` are prefix chains, each key the child of the one before except at the indexes of
+        ``chains``, where a chain continues the key given (None: starts one; default ``{0: None}``).
 
         ``durable`` with ``wait=False`` (host tier): return once the disk write is queued; :meth:`sync`
         waits for it (a client streams a large durable put: its next copy overlaps this write)."""
@@ -225,7 +227,7 @@ class BlockStore:
             raise BadRequest("durable=True needs the disk tier, which is disabled")
         if self.tier(tier) == "gpu":
             return self.store_path.commit_gpu(s, ns, keys, offsets, durable)
-        return self.store_path.commit(s, ns, keys, offsets, durable, wait)
+        return self.store_path.commit(s, ns, keys, offsets, durable, wait, chains or {0: None})
 
     def sync(self, s: Session) -> None:
         """Wait for the durable writes this connection committed with ``wait=False``."""

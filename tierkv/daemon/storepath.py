@@ -88,18 +88,22 @@ class StorePath:
 
     # ---- commit -----------------------------------------------------------------------------------
     def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
-               wait: bool) -> int:
-        """Publish written host slots under ``keys``; returns how many were new."""
+               wait: bool, chains: dict[int, bytes | None]) -> int:
+        """Publish written host slots under ``keys`` (prefix chains starting at ``chains``, see
+        :meth:`BlockStore.commit`); returns how many were new."""
         st = self.st
         fks = [s.fp + k for k in keys]
         with st.lock:
             _check_slots(offsets, s.slots, "slot")
-            new, durable_blocks = self._publish_host(s, ns, fks, offsets, durable)
+            starts = {i: None if p is None else s.fp + p for i, p in chains.items()}
+            new, durable_blocks = self._publish_host(s, ns, fks, offsets, durable, starts)
             st.transfers.write_through(new)
             now = time.monotonic()
-            st.host_reuse.stored(fks, now)
-            if st.cfg.disk.admission == "predicted":
-                st.admission.stored(fks, now)
+            bounds = sorted({0, *starts, len(fks)})
+            for lo, hi in zip(bounds, bounds[1:]):  # each chain on its own
+                st.host_reuse.stored(fks[lo:hi], now)
+                if st.cfg.disk.admission == "predicted":
+                    st.admission.stored(fks[lo:hi], now)
             job = st.transfers.store(durable_blocks) if durable_blocks else None
             if job is not None and not wait:
                 s.pending.append(job)
@@ -114,13 +118,16 @@ class StorePath:
         return len(new)
 
     def _publish_host(self, s: Session, ns: Namespace, fks: list[bytes], offsets: list[int],
-                      durable: bool) -> tuple[list[Block], list[Block]]:
-        """Records for committed host slots: (new blocks, blocks a durable commit must write). Lock held."""
+                      durable: bool, starts: dict[int, bytes | None]) -> tuple[list[Block], list[Block]]:
+        """Records for committed host slots, chains starting at ``starts`` (index: parent): (new
+        blocks, blocks a durable commit must write). Lock held."""
         st = self.st
         new: list[Block] = []
         durable_blocks: list[Block] = []
-        parent = None
-        for fk, off in zip(fks, offsets):
+        parent: bytes | None = None
+        for i, (fk, off) in enumerate(zip(fks, offsets)):
+            if i in starts:
+                parent = starts[i]
             del s.slots[off]
             b = st.table.get(fk)
             if b is None:

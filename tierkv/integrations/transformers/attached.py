@@ -111,9 +111,10 @@ class AttachedLM:
 
     # -- store ---------------------------------------------------------------------------------
 
-    def _store(self, cache: Any, keys: Sequence[bytes], first_block: int, st: GenerationStats) -> int:
+    def _store(self, cache: Any, keys: Sequence[bytes], first_block: int, st: GenerationStats,
+               parent: bytes | None) -> int:
         """Write blocks ``first_block .. first_block + len(keys)`` of ``cache`` into new slots and
-        commit them; returns blocks committed (0 on failure)."""
+        commit them (a chain continuing ``parent``); returns blocks committed (0 on failure)."""
         m = len(keys)
         if m == 0:
             return 0
@@ -128,7 +129,7 @@ class AttachedLM:
                                        for layer in range(self.layout.num_layers)])
                     for i in range(m):
                         slots.views[i][which].copy_(src[:, :, i * T:(i + 1) * T])
-                self.client.commit(list(keys), slots)
+                self.client.commit(list(keys), slots, chains=[(0, parent)])
         except TierKVError as exc:
             log.warning("tierkv store failed, going on without it: %s", exc)
             st.errors += 1
@@ -191,7 +192,7 @@ class AttachedLM:
         # Blocks known to be in tierkv, in order: the leased prefix, then what this request commits.
         stored = list(keys[:held])
         if len(keys) > held:
-            done = self._store(cache, keys[held:], held, st)
+            done = self._store(cache, keys[held:], held, st, keys[held - 1] if held else None)
             stored += keys[held:held + done]
         seq = list(ids)
         for step in range(max_new_tokens - 1):
@@ -210,7 +211,7 @@ class AttachedLM:
             if self.store_generated and len(seq) % T == 0 and len(stored) == len(seq) // T - 1:
                 parent = stored[-1] if stored else None
                 new = self.client.block_keys(seq[-T:], parent=parent)
-                if self._store(cache, new, len(stored), st):
+                if self._store(cache, new, len(stored), st, parent):
                     stored += new
             st.decode_s = time.perf_counter() - t1
             yield token

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,12 +80,14 @@ class StoreCommitter:
             take += more.offsets
         return Slots(client, take)
 
-    def submit(self, client: Client, keys: list[bytes], slots: Slots, ready: Any = None) -> None:
-        """Commit ``slots`` under ``keys`` on the committer's thread once ``ready`` (a CUDA event, or
-        None when the copy is done) has completed."""
+    def submit(self, client: Client, keys: list[bytes], slots: Slots, ready: Any = None,
+               chains: Sequence[tuple[int, bytes | None]] | None = None) -> None:
+        """Commit ``slots`` under ``keys`` (prefix chains starting at ``chains``, see
+        :meth:`Client.commit`) on the committer's thread once ``ready`` (a CUDA event, or None when the
+        copy is done) has completed."""
         with self._lock:
             self._pending += 1
-        self._queue.put((client, keys, slots, ready))
+        self._queue.put((client, keys, slots, ready, chains))
 
     def take(self) -> Committed:
         """The counters since the last call."""
@@ -103,11 +106,11 @@ class StoreCommitter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            client, keys, slots, ready = item
+            client, keys, slots, ready, chains = item
             try:
                 if ready is not None:
                     ready.synchronize()
-                new = slots.commit(keys)
+                new = slots.commit(keys, chains=chains)
                 result = Committed(stored_tokens=len(keys) * self.block_tokens, new_blocks=new)
             except TierKVError as exc:
                 log.debug("tierkv: a background commit failed: %s", exc)

@@ -46,12 +46,14 @@ class BlockIO:
     """Blocks of one request to move between tierkv (``keys``) and vLLM (``block_ids``).
 
     ``wait_s`` marks an asynchronous load: the most seconds it may take before what arrived is used and
-    the rest recomputed (None: a load inside the step, or a store)."""
+    the rest recomputed (None: a load inside the step, or a store). ``parent``: the key ``keys[0]``
+    continues in its request's chain (None: the chain's first block)."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
     wait_s: float | None = None
+    parent: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -209,7 +211,8 @@ class Planner:
         if full > st.stored_blocks:
             keys = self._keys(st, full)
             lo = st.stored_blocks
-            plan.stores.append(BlockIO(st.request.request_id, keys[lo:full], st.block_ids[lo:full]))
+            plan.stores.append(BlockIO(st.request.request_id, keys[lo:full], st.block_ids[lo:full],
+                                       parent=keys[lo - 1] if lo else st.root))
             st.stored_blocks = full
 
     def finished(self, request: Any) -> list[bytes]:

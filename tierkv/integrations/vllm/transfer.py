@@ -129,13 +129,18 @@ class Transfers:
         if not keys:
             return
         ids = [b for io in stores for b in io.block_ids]
+        chains, at = [], 0  # each request's blocks continue its own chain
+        for io in stores:
+            if io.keys:
+                chains.append((at, io.parent))
+                at += len(io.keys)
         t0 = time.perf_counter()
         new: int | None = None
         try:
             if self.committer is not None:
-                self._store_behind(keys, ids)
+                self._store_behind(keys, ids, chains)
             else:
-                new = self.link.call(lambda c: self._store(c, keys, ids))
+                new = self.link.call(lambda c: self._store(c, keys, ids, chains))
                 if new is None:
                     self.counters.store_errors += len(keys)
         except TierFull:
@@ -151,7 +156,7 @@ class Transfers:
             self.counters.new_blocks += new
             self.counters.stored_tokens += len(keys) * self.pages.layout.block_tokens
 
-    def _store_behind(self, keys: list[bytes], ids: list[int]) -> None:
+    def _store_behind(self, keys: list[bytes], ids: list[int], chains: list[tuple[int, bytes | None]]) -> None:
         """Copy into the committer's slots (its own connection); it commits them on its own thread."""
         assert self.committer is not None
         link = self.committer.link
@@ -174,13 +179,13 @@ class Transfers:
         if self.pages.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.pages.device))
-        self.committer.submit(client, keys, slots, ready)
+        self.committer.submit(client, keys, slots, ready, chains)
 
-    def _store(self, client: Client, keys: list[bytes], ids: list[int]) -> int:
+    def _store(self, client: Client, keys: list[bytes], ids: list[int], chains: list[tuple[int, bytes | None]]) -> int:
         with client.alloc(len(keys), timeout=0) as slots:
             self.pages.gather(ids, slots.views)
             self.pages.synchronize()
-            return slots.commit(keys)
+            return slots.commit(keys, chains=chains)
 
     def start_async(self, loads: Sequence[BlockIO]) -> None:
         """Start loads that run beside the forward pass; :meth:`take_done` reports them."""
