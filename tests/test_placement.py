@@ -44,6 +44,23 @@ def test_store_overflow_reaches_disk_so_every_block_is_found(daemon_factory):
             assert torch.equal(c.get(keys[i:i + 24]).view(torch.int16), blocks[i:i + 24].view(torch.int16))
 
 
+def test_the_disk_shadow_sees_the_disk_references_of_a_running_daemon(daemon_factory):
+    """The disk order's shadow is fed by the blocks requests use that host memory does not hold (a
+    fetch of a prefix on disk, a store of new blocks) and shows in the stats."""
+    d = daemon_factory(["--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--disk-capacity", "8MiB"],
+                       env={"TIERKV_DISK_ADMISSION": "all", "TIERKV_DISK_ORDER_SHADOW_RATE": "1.0"})
+    with d.client() as c:  # 8 KiB blocks: 128 host slots
+        chains = [keys_for(c, 24, seed=400 + i) for i in range(8)]
+        for i, keys in enumerate(chains):
+            c.put(keys, rand_blocks(24, seed=400 + i))
+        assert wait_for(lambda: c.stats()["tiers"]["disk"]["blocks"] > 0, timeout=30)
+        shadow = c.stats()["tiers"]["disk"]["shadow"]
+        assert shadow["rate"] == 1.0 and shadow["references"] == 8 * 24  # every stored block, once
+        c.get(chains[0])  # on disk by now: a disk reference each, hits for both orders
+        after = c.stats()["tiers"]["disk"]["shadow"]
+        assert after["references"] > shadow["references"] and after["leader"] in ("attention", "lru")
+
+
 def test_disk_evicts_chains_from_the_tail(daemon_factory):
     """The disk tier knows each block's chain: when it fills, stored chains lose their tails first, so
     every chain keeps a cached prefix (a block whose prefix is gone can never be a hit)."""

@@ -11,7 +11,7 @@ import pytest
 from tierkv.cache.policy import History, make_policy
 from tierkv.cache.policy.reuse import ReuseModel
 from tierkv.cache.policy.shadow import key_hash
-from tierkv.daemon.startup import make_host_policy
+from tierkv.daemon.startup import make_disk_policy, make_host_policy
 from tierkv.ops.replay_cli import daemon_config, tiers_for
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace
 from tierkv.sim.simulator import Simulator
@@ -97,6 +97,50 @@ def test_shadow_keeps_the_learned_order_where_frequency_wins():
     assert shadowed == pytest.approx(alone, abs=0.005)
 
 
+def below_hit_rate(policy, refs, blocks: int, clock: Clock) -> float:
+    """A tier below another (the disk): every reference reaches it (the tier above holds nothing of
+    these), a miss is written into it, and every use is counted in the shared history (as the host
+    tier counts it); its shadow is fed by ``referenced``."""
+    hits = 0
+    for key in refs:
+        clock.now += 1.0
+        policy.referenced(key)
+        if key in policy:
+            hits += 1
+        else:
+            if len(policy) >= blocks:
+                for v in policy.victims(1):
+                    policy.on_remove(v)
+            policy.on_insert(key, 1)
+        policy.on_access(key)
+    return hits / len(refs)
+
+
+def test_a_lower_tier_shadow_follows_lru_where_recency_wins_and_the_score_where_frequency_does():
+    """The disk's shadow sees the disk's references (``referenced``), not only the uses of the blocks
+    it holds: it finds LRU ahead on recency traffic and the score ahead on a hot set under a scan."""
+    def wrong(key):
+        return 0.05 if key % 2 else 1.0
+
+    def below(refs, blocks, **settings):
+        clock = Clock()
+        policy = attention(clock, shadow_rate=1.0, **settings)
+        policy.shadow_on_requests = True
+        return policy, below_hit_rate(policy, refs, blocks, clock)
+
+    refs = recency_refs(3000, 40)
+    lru = below_hit_rate(make_policy("lru", clock=Clock()), refs, 90, Clock())
+    policy, got = below(refs, 90, reuse=wrong)
+    assert policy.follows_lru and got >= lru - 0.01
+    refs = frequency_refs(3000, 30)
+    lru = below_hit_rate(make_policy("lru", clock=Clock()), refs, 40, Clock())
+    policy, got = below(refs, 40)
+    assert not policy.follows_lru and got > lru + 0.1
+    policy = attention(Clock(), shadow_rate=1.0)  # a first tier: ``referenced`` is not its feed
+    policy.referenced(1)
+    assert policy.shadow.references == 0
+
+
 def test_shadow_off_is_the_plain_score():
     refs, blocks = recency_refs(500, 20), 30
     a, b = Clock(), Clock()
@@ -163,7 +207,10 @@ def test_replay_and_daemon_run_the_same_host_shadow():
     keys = ("shadow_rate", "shadow_window", "shadow_z")
     assert {k: sim.policies[0].settings()[k] for k in keys} == {k: host.settings()[k] for k in keys}
     assert sim.policies[0].shadow is not None and host.shadow is not None
-    assert [p.shadow is None for p in sim.policies[1:]] == [True]  # the disk tier runs without one
+    disk = make_disk_policy(daemon, History(), ReuseModel(output_edges=""))
+    assert {k: sim.policies[1].settings()[k] for k in keys} == {k: disk.settings()[k] for k in keys}
+    assert daemon.disk.order_shadow_rate > 0 and disk.shadow is not None and sim.policies[1].shadow is not None
+    assert disk.shadow_on_requests and sim.policies[1].shadow_on_requests  # fed by the host's misses
     off = dataclasses.replace(daemon, host=dataclasses.replace(daemon.host, shadow_rate=0.0))
     assert make_host_policy(off, History(), ReuseModel(output_edges="")).shadow is None
 

@@ -16,7 +16,7 @@ RESTART_ONLY = frozenset({
 # A change to one of these keys (or any ``policy.*`` weight) rebuilds or updates that tier's policy
 # (the disk policy is weighted by the admission rule's model under ``predicted`` admission).
 POLICY_KEYS = {"host": frozenset({"host.policy", "host.shadow_rate"}),
-               "disk": frozenset({"disk.policy", "disk.admission", "disk.idle_aging"})}
+               "disk": frozenset({"disk.policy", "disk.admission", "disk.idle_aging", "disk.order_shadow_rate"})}
 
 
 def check_restart_only(key: str) -> None:

@@ -181,6 +181,18 @@ class BlockStore:
             self.host_reuse.requested(fks, now)
             if self.cfg.disk.admission == "predicted":
                 self.admission.requested(fks, now)
+            if self.disk is not None:
+                self.disk_referenced(fks)
+
+    def disk_referenced(self, fks: list[bytes]) -> None:
+        """The blocks of chain ``fks`` that host memory does not hold are the disk tier's references
+        (its policy's shadow compares orders on them). Lock held."""
+        ref, table, parent = self.diskp.policy.referenced, self.table, None
+        for fk in fks:
+            b = table.get(fk)
+            if b is None or b.host_off is None:
+                ref(fk, parent)
+            parent = fk
 
     # ---- connections ------------------------------------------------------------------------------
     def register(self, s: Session, ns: Namespace) -> None:

@@ -124,6 +124,11 @@ class DiskConfig:
     feed two small LRU caches at that fraction of the disk's bytes, one taking the victims the rule
     writes and one every victim; every victim is written while write-all hits clearly more there
     (0: off, the rule alone)."""
+    order_shadow_rate: float = 0.1
+    """With the ``attention`` policy: the fraction of the chains' branches (by hash) on which its order and
+    LRU are simulated side by side over the disk's references (the blocks requests used that host memory
+    did not hold) at that fraction of the disk's bytes; the disk evicts in LRU order while LRU hits
+    clearly more there (0: off, the score alone)."""
 
 
 @dataclass
@@ -265,6 +270,8 @@ def _check_disk(d: DiskConfig) -> None:
         raise ValueError(f"disk.idle_aging must be between 0 and 100, got {d.idle_aging!r}")
     if not 0 <= d.shadow_rate <= 1:
         raise ValueError(f"disk.shadow_rate must be within 0..1, got {d.shadow_rate!r}")
+    if not 0 <= d.order_shadow_rate <= 1:
+        raise ValueError(f"disk.order_shadow_rate must be within 0..1, got {d.order_shadow_rate!r}")
     from tierkv.codecs import available_codecs
 
     if d.codec not in available_codecs():

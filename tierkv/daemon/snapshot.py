@@ -77,6 +77,9 @@ def _local_tiers(st: BlockStore) -> dict[str, dict]:
                                       admitted=adm.admitted, written_behind=hp.written_behind,
                                       rejected=adm.rejected, placement=adm.snapshot(),
                                       idle_half_life_s=round(getattr(dp.policy, "tau", 0.0), 1))
+        shadow = getattr(dp.policy, "shadow", None)
+        if shadow is not None:
+            tiers["disk"]["shadow"] = shadow.snapshot()
     return tiers
 
 

@@ -84,6 +84,10 @@ def make_host_policy(cfg: Config, history: History, reuse: ReuseModel) -> Policy
 
 def make_disk_policy(cfg: Config, history: History, evict_model: ReuseModel) -> Policy:
     """The disk tier's policy: weighted by the admission rule's eviction model
-    (:attr:`Placement.evict_model`) under ``predicted`` admission, aged by ``disk.idle_aging``."""
+    (:attr:`Placement.evict_model`) under ``predicted`` admission, aged by ``disk.idle_aging``, with the
+    LRU shadow of ``disk.order_shadow_rate`` fed by the disk's references."""
     reuse = evict_model if cfg.disk.admission == "predicted" else None
-    return make_policy(cfg.disk.policy, cfg, history, reuse, {"idle_aging": cfg.disk.idle_aging})
+    policy = make_policy(cfg.disk.policy, cfg, history, reuse,
+                         {"idle_aging": cfg.disk.idle_aging, "shadow_rate": cfg.disk.order_shadow_rate})
+    policy.shadow_on_requests = True  # type: ignore[attr-defined]
+    return policy

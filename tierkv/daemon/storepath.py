@@ -97,6 +97,9 @@ class StorePath:
             _check_slots(offsets, s.slots, "slot")
             starts = {i: None if p is None else s.fp + p for i, p in chains.items()}
             new, durable_blocks = self._publish_host(s, ns, fks, offsets, durable, starts)
+            if st.disk is not None:
+                for b in new:  # computed: held by no tier, a reference at the disk's level too
+                    st.diskp.policy.referenced(b.fk, b.parent)
             st.transfers.write_through(new)
             now = time.monotonic()
             bounds = sorted({0, *starts, len(fks)})

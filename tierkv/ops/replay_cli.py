@@ -75,7 +75,8 @@ def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -
         tiers[0].policy_settings = {**tiers[0].policy_settings, "shadow_rate": daemon.host.shadow_rate}
         for t in tiers[1:]:
             t.policy, t.admission = daemon.disk.policy, daemon.disk.admission
-            t.policy_settings = {**t.policy_settings, "idle_aging": daemon.disk.idle_aging}
+            t.policy_settings = {**t.policy_settings, "idle_aging": daemon.disk.idle_aging,
+                                 "shadow_rate": daemon.disk.order_shadow_rate}
         admission = {"shadow_rate": daemon.disk.shadow_rate, **config.admission_settings}
         for pol in {t.policy for t in tiers}:
             settings[pol] = {**daemon.policy_settings(pol), **settings.get(pol, {})}  # type: ignore[arg-type]

@@ -150,7 +150,10 @@ class Simulator:
                 below = cfg.tiers[tier + 1]
                 settings.setdefault("fetch_bytes_per_s", below.read_bytes_per_s)
                 settings.setdefault("fetch_latency_s", below.latency_s)
-        return make_policy(name, clock=self.clock, **settings, **kwargs)
+        policy = make_policy(name, clock=self.clock, **settings, **kwargs)
+        if tier > 0 and hasattr(policy, "shadow_on_requests"):
+            policy.shadow_on_requests = True  # fed by the first tier's misses, as the daemon's disk
+        return policy
 
     def run(self, capacity_label: str | None = None) -> ReplayResult:
         """Replay the whole workload and return its figures."""
@@ -218,6 +221,9 @@ class Simulator:
                 stack.promote(p, t)
             incoming.append(p)
         stack.insert0(incoming, set(pages))
+        for pol in self.policies[1:]:  # what the first tier did not hold: the lower tiers' references
+            for p in incoming:
+                pol.referenced(p, self.parent_of.get(p))
         return load_b
 
     def _load_seconds(self, load_b: list[int]) -> float:

@@ -121,6 +121,9 @@ class AttentionPolicy(HeapPolicy):
         self.shadow: Shadow | None = None
         self._shadow_key: tuple[float, float, float] | None = None
         self._counts_uses = True  # False in a shadow's copy: the tier's own policy counts the uses
+        # A tier below another sees only part of the uses: its shadow is fed by ``referenced``.
+        self.shadow_on_requests = False
+        self._ref_size = 1  # the size ``referenced`` gives a key this tier does not hold
         super().__init__(**kwargs)
 
     def _settings_changed(self) -> None:
@@ -293,8 +296,24 @@ class AttentionPolicy(HeapPolicy):
             self._rescore(key)
             self._recent.move_to_end(key)
             shadow = self.shadow
-            if shadow is not None and shadow.sampled(self.history.branch(key)):
+            if shadow is not None and not self.shadow_on_requests and shadow.sampled(self.history.branch(key)):
                 shadow.reference(key, self._size[key], self._parent.get(key))
+
+    def referenced(self, key: Hashable, parent: Hashable | None = None) -> None:
+        """With ``shadow_on_requests`` (a tier fed by the misses of the tier above): the shadow's
+        references, held here or not. A key this tier does not hold counts the last size it saw."""
+        shadow = self.shadow
+        if shadow is None or not self.shadow_on_requests or not shadow.sampled(self.history.branch(key)):
+            return
+        size = self._size.get(key)
+        if size is None:
+            size = self._ref_size
+        else:
+            self._ref_size = size
+        if parent is None:
+            rec = self.history.get(key)
+            parent = rec.parent if rec is not None else None
+        shadow.reference(key, size, parent)
 
     def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
         shadow = self.shadow

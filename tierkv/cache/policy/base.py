@@ -165,6 +165,10 @@ class Policy(ABC):
     def __contains__(self, key: object) -> bool: ...
 
     # -- optional signals ---------------------------------------------------------------------
+    def referenced(self, key: Hashable, parent: Hashable | None = None) -> None:  # noqa: B027 - optional hook
+        """A request used ``key`` and the tier above this one did not hold it: a reference at this
+        tier's level, whether this tier holds ``key`` or not (a lower tier's reference stream)."""
+
     def on_touch(self, key: Hashable, mass: float) -> None:  # noqa: B027 - optional hook
         """Attention mass reported by a client for a resident block (1.0 = uniform)."""
 
