@@ -84,10 +84,10 @@ class FetchPath:
             st.hostp.stats.bytes_out += b.nbytes  # leased to the client: read from the host tier
             return fetch_source(b)
         if b.on_disk:
-            try:
-                b.host_off = st.host_slot(slot)
-            except TierFull:
-                return None  # no room to promote: the prefix so far is what the client gets
+            off = self._slot_for(b, slot)
+            if off is None or b.host_off is not None or not b.on_disk:
+                return self._moved(b, off, slot, loads)
+            b.host_off = off
             st.transfers.start_loads([b])
             loads.append(b)
             st.hostp.stats.misses += 1
@@ -95,14 +95,35 @@ class FetchPath:
         if b.gpu_off is not None and b.gpu_loading is None:
             # only on the GPU: its host copy was dropped unwritten, or its drain found no host slot and
             # waits for a retry; a lease may wait for room, so it copies the block down now
-            try:
-                b.host_off = st.host_slot(slot)
-            except TierFull:
-                return None
+            off = self._slot_for(b, slot)
+            if off is None or b.host_off is not None or b.gpu_off is None or b.gpu_loading is not None:
+                return self._moved(b, off, slot, loads)
+            b.host_off = off
             st.gpu_path.copy_to_host([b])
             st.hostp.stats.misses += 1
             return "gpu"
         return None
+
+    def _slot_for(self, b: Block, slot: int) -> int | None:
+        """A host slot to promote ``b`` into, or None (no room, or ``b`` left every tier meanwhile).
+        Finding room may wait for the disk writer with the lock released. Lock held."""
+        st = self.st
+        try:
+            off = st.host_slot(slot)
+        except TierFull:
+            return None  # no room to promote: the prefix so far is what the client gets
+        if st.table.get(b.fk) is not b:  # dropped from its last tier while room was made
+            st.host.free(off)
+            return None
+        return off
+
+    def _moved(self, b: Block, off: int | None, slot: int, loads: list[Block]) -> str | None:
+        """``b`` changed while room was made for it (another request promoted it, or its copy left a
+        tier): give ``off`` back and look again. Lock held."""
+        if off is None:
+            return None
+        self.st.host.free(off)
+        return self._lease_source(b, slot, loads)
 
     def _fetch_remote(self, s: Session, ns: Namespace, keys: list[bytes], slot: int, leased: list[Block],
                       tiers: list[str]) -> None:
@@ -120,6 +141,9 @@ class FetchPath:
                 try:
                     off = st.host_slot(slot)
                 except TierFull:
+                    break
+                if fk in st.table:  # room was made with the lock released: it may have appeared
+                    st.host.free(off)
                     break
                 b = Block(fk, ns.layout.block_bytes, host_off=off, on_remote=True, leases=1)
                 st.transfers.start_loads([b])
