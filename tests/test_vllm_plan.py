@@ -15,7 +15,7 @@ from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.layout import Layout
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages
-from tierkv.integrations.vllm.plan import Planner, salt_root
+from tierkv.integrations.vllm.plan import Planner, Role, salt_root
 from tierkv.integrations.vllm.transfer import Transfers
 
 # vLLM's CPU pages for a small model: 2 layers, 2 KV heads of 32, 32-token blocks.
@@ -97,6 +97,28 @@ def test_a_prefill_stores_full_blocks_and_a_second_request_loads_them_identicall
     for a, b in ((4, 1), (9, 3), (2, 5)):
         assert all(torch.equal(s[a], d[b]) for s, d in zip(src.caches, dst.caches))
     assert t.take_counters().hit_tokens == 3 * BT
+
+
+def test_roles_a_consumer_only_loads_and_a_producer_stores_its_whole_prompt(daemon):
+    """PD through tierkv: the producer (prefill) stores every full block of the prompt, its own
+    prefix hits included, committed within the step; the consumer (decode) loads it and stores nothing."""
+    assert Role.of(None) == Role.of("kv_both") == Role(stores=True, commit_in_step=False)
+    assert Role.of("kv_producer").commit_in_step and not Role.of("kv_consumer").stores
+    with pytest.raises(ValueError, match="kv_role"):
+        Role.of("kv_relay")
+    ns = Namespace("vllm-plan", LAYOUT)
+    tokens = list(range(7000, 7000 + 3 * BT + 1))
+    producer = Planner(link(daemon), ns, BT, stores=Role.of("kv_producer").stores)
+    # vLLM's own prefix cache holds the first block: the producer stores it too
+    n, plan = prefill(producer, Req("p", tokens), [3, 4, 5, 6], computed=BT)
+    assert n == 0 and [io.block_ids for io in plan.stores] == [[3, 4, 5]]
+    Transfers(link(daemon), pages(seed=3)).store(plan.stores)  # no committer: committed on return
+    consumer = Planner(link(daemon), ns, BT, stores=Role.of("kv_consumer").stores)
+    assert consumer.matched_tokens(Req("c", tokens), 0) == (3 * BT, False)
+    n, plan = prefill(consumer, Req("c2", tokens + list(range(2 * BT))), [0, 1, 2, 7, 8, 9])
+    assert n == 3 * BT and plan.loads and not plan.stores  # 5 full blocks, 2 new: none stored
+    connector = pytest.importorskip("tierkv.integrations.vllm.connector")
+    assert connector.TierKVConnector.requires_kv_delivery.fget(None) is False  # best effort in every role
 
 
 def test_at_least_one_token_is_left_to_compute_and_short_prompts_store_nothing(daemon):

@@ -9,6 +9,12 @@ Load it with::
 ``kv_connector_extra_config`` keys: ``socket`` (the daemon's socket; default the client's default),
 ``model_id`` (the namespace's model name; default the model directory's name or the hub id).
 
+``kv_role`` (:class:`~tierkv.integrations.vllm.plan.Role`): ``kv_both`` loads and stores, committing
+behind the step; ``kv_producer`` (a prefill instance) stores every full block of the prompt, vLLM's
+own prefix hits included, and commits them within the step, so they are in tierkv when the response
+leaves; ``kv_consumer`` (a decode instance) only loads. Every role is a best-effort cache
+(``requires_kv_delivery`` is False): a block that did not arrive is recomputed.
+
 The scheduler side (:class:`~tierkv.integrations.vllm.plan.Planner`) finds each request's cached
 prefix in the shared lookup index, starts promoting the disk blocks of requests as they enter the
 queue, and plans the loads and one store pass per step; the worker side
@@ -39,7 +45,7 @@ from tierkv.core.layout import Layout, dtype_name
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages, cpu_layout_ok
-from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter
+from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter, Role
 from tierkv.integrations.vllm.stats import TierKVConnectorStats, TierKVPromMetrics
 from tierkv.integrations.vllm.transfer import Transfers
 
@@ -101,6 +107,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             # A block lost between lookup and load must cost a recompute, never the request.
             ktc.kv_load_failure_policy = "recompute"
         extra = dict(ktc.kv_connector_extra_config or {})
+        self._role = Role.of(ktc.kv_role)
         self._layout, why = _layout(kv_cache_config)
         if self._layout is None:
             log.warning("tierkv: connector disabled: %s", why)
@@ -115,7 +122,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER and self._layout is not None:
             link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=0, tp_size=self._tp_size)
             ns = Namespace(self._model, self._layout, 0, self._tp_size)
-            self._planner = Planner(link, ns, self._layout.block_tokens)
+            self._planner = Planner(link, ns, self._layout.block_tokens, stores=self._role.stores)
             self._meter = PrefillMeter(lambda tokens, seconds: link.call(
                 lambda c: c.report_recompute(tokens, seconds)))
 
@@ -140,10 +147,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
         args = dict(model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size,
                     announce=False)  # the scheduler side says when the daemon goes and comes back
-        # three connections: in-step loads, loads beside the step, and stores (their slots and commits)
+        # three connections: in-step loads (and a producer's stores), loads beside the step, and stores
+        # committed behind the step (their slots and commits)
+        behind = self._role.stores and not self._role.commit_in_step
         self._transfers = Transfers(
             Link(self._socket, **args), pages, async_link=Link(self._socket, **args),  # type: ignore[arg-type]
-            committer=StoreCommitter(Link(self._socket, **args), self._layout.block_tokens))  # type: ignore[arg-type]
+            committer=StoreCommitter(Link(self._socket, **args), self._layout.block_tokens)  # type: ignore[arg-type]
+            if behind else None)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load this step's in-host blocks into vLLM's pages (all requests, all layers, one pass) and
@@ -194,6 +204,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._transfers.committer.flush(5.0)
                 self._transfers.committer.close()
                 self._transfers.committer.link.close()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache in every role: a store that did not land is a later miss, never a
+        request that must be recomputed because its hand-off was lost."""
+        return False
 
     # ---- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

@@ -78,6 +78,32 @@ class _Request:
     waited: bool = False          # an asynchronous load was sent: the request never waits twice
 
 
+@dataclass(frozen=True, slots=True)
+class Role:
+    """What a ``kv_role`` does with tierkv: whether it stores, and whether its stores commit before the
+    step ends (a producer's prompt must be in tierkv when its response reaches the proxy that sends the
+    request on to a consumer). Every role loads: tierkv is a cache, and a lost block is a recompute."""
+
+    stores: bool = True
+    commit_in_step: bool = False
+
+    @classmethod
+    def of(cls, kv_role: str | None) -> Role:
+        """``kv_both`` (or unset): stores committed behind the step; ``kv_producer``: stores committed
+        within it; ``kv_consumer``: never stores.
+
+        Raises:
+            ValueError: another role.
+        """
+        if kv_role in (None, "kv_both"):
+            return cls()
+        if kv_role == "kv_producer":
+            return cls(commit_in_step=True)
+        if kv_role == "kv_consumer":
+            return cls(stores=False)
+        raise ValueError(f"kv_role must be kv_both, kv_producer or kv_consumer, got {kv_role!r}")
+
+
 class Planner:
     """Per-request bookkeeping of the scheduler-side connector.
 
@@ -85,10 +111,12 @@ class Planner:
         link: the connection to the daemon.
         namespace: the namespace of the blocks (its fingerprint seeds every key).
         block_tokens: vLLM's block size, also tierkv's block size.
+        stores: plan stores (False for a ``kv_consumer``, which only loads).
     """
 
-    def __init__(self, link: Link, namespace: Namespace, block_tokens: int) -> None:
+    def __init__(self, link: Link, namespace: Namespace, block_tokens: int, stores: bool = True) -> None:
         self.link = link
+        self.stores = stores
         self.fingerprint = namespace.fingerprint
         self.block_tokens = block_tokens
         self._reqs: dict[str, _Request] = {}
@@ -208,7 +236,7 @@ class Planner:
         st.stored_blocks = max(st.stored_blocks, st.cached_blocks)
         full = min(tokens_after_step, st.request.num_tokens) // self.block_tokens
         full = min(full, len(st.block_ids))
-        if full > st.stored_blocks:
+        if full > st.stored_blocks and self.stores:
             keys = self._keys(st, full)
             lo = st.stored_blocks
             plan.stores.append(BlockIO(st.request.request_id, keys[lo:full], st.block_ids[lo:full],
