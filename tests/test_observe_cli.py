@@ -218,3 +218,26 @@ def test_preload_in_chunks(daemon, tmp_path):
     model, pinned = preload_file(daemon.socket, tmp_path / "p.npz", advance=lambda k, total: steps.append((k, total)))
     assert pinned == n and steps == [(PRELOAD_CHUNK, n), (5, n)]
     assert "pinned" in tierkv("preload", str(tmp_path / "p.npz"), "--socket", daemon.socket).stdout
+
+
+def test_lookup_tells_a_router_the_cached_tokens_of_a_prompt_per_tier(daemon_factory):
+    """``tierkv lookup`` keys a prompt's token ids in a connected engine's namespace and answers how many
+    leading tokens each tier holds; bad input and an unknown model are one-line errors."""
+    d = daemon_factory(["--host-capacity", "1MiB", "--slab-bytes", "1MiB"])
+    bt = SMALL.block_tokens
+    tokens = list(range(500, 500 + 6 * bt + 3))
+    with d.client(model="router-m") as c:  # the engine: its namespace is live while it is connected
+        keys = c.block_keys(tokens)
+        c.put(keys[:4], rand_blocks(4, seed=9), durable=True)  # on disk too: the fastest tier counts
+        ids = ",".join(map(str, tokens))
+        out = json.loads(tierkv("lookup", ids, "--model", "router-m", "--socket", d.socket, "--json").stdout)
+        assert out == {"tokens": len(tokens), "cached_tokens": 4 * bt,
+                       "tiers": {"gpu": 0, "host": 4 * bt, "disk": 0, "remote": 0}}
+        assert tierkv("lookup", json.dumps(tokens[:bt]), "--model", "router-m", "--socket", d.socket).stdout == \
+            f"{bt} of {bt} tokens cached (host {bt})\n"
+        for args, needle in ((["1,x"], "tokens must be"), (["[1, -2]"], "non-negative"),
+                             (["1,2", "--model", "other"], "no connected engine serves model 'other'")):
+            r = tierkv("lookup", *args, *(["--model", "router-m"] if "--model" not in args else []),
+                       "--socket", d.socket, check=False)
+            assert r.exit_code == 2 and needle in r.output and r.output.count("\n") == 1, r.output
+        assert c.lookup(keys) == 4  # nothing stored was touched

@@ -25,7 +25,8 @@ def store_snapshot(st: BlockStore) -> dict[str, Any]:
     with st.lock:
         t = st.table
         namespaces = {ns.fingerprint.hex(): {"model": ns.model, "layout": ns.layout.to_dict(),
-                                             "tp_rank": ns.tp_rank, "blocks": t.ns_blocks.get(fp, 0),
+                                             "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
+                                             "blocks": t.ns_blocks.get(fp, 0),
                                              "hits": t.ns_hits.get(fp, (0, 0))[0],
                                              "misses": t.ns_hits.get(fp, (0, 0))[1]}
                       for fp, ns in t.namespaces.items()}

@@ -29,7 +29,8 @@ class _Group(click.Group):
     """Errors print one line and exit non-zero; no tracebacks. Heavy subcommands load on first use."""
 
     LAZY = {"replay": "tierkv.ops.replay_cli", "demo": "tierkv.ops.demo", "verify": "tierkv.ops.admin_cli",
-            "doctor": "tierkv.ops.admin_cli", "size": "tierkv.ops.size_cli", "top": "tierkv.ops.top"}
+            "doctor": "tierkv.ops.admin_cli", "size": "tierkv.ops.size_cli", "top": "tierkv.ops.top",
+            "lookup": "tierkv.ops.lookup_cli"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))

@@ -1,0 +1,83 @@
+"""``tierkv lookup``: how many leading tokens of a prompt each tier holds, for a router.
+
+The prompt's token ids are keyed in the namespace of a connected engine of ``--model`` (its layout,
+dtype and TP rank as the daemon lists them in its stats), as the engine's connector keys them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from tierkv.client.admin import request
+from tierkv.core.errors import BadRequest
+from tierkv.core.layout import Layout
+
+TIERS = ("gpu", "host", "disk", "remote")
+
+
+def parse_tokens(text: str) -> list[int]:
+    """Token ids from a JSON list or from numbers separated by commas or white space.
+
+    Raises:
+        BadRequest: anything else, or an id below 0.
+    """
+    text = text.strip()
+    try:
+        raw = json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise BadRequest("tokens must be a JSON list of ints or ints separated by commas or spaces") from None
+    if not isinstance(raw, list) or not all(type(t) is int and t >= 0 for t in raw):
+        raise BadRequest("tokens must be non-negative ints")
+    return raw
+
+
+def namespace_of(stats: dict, model: str, tp_rank: int) -> dict:
+    """The namespace the daemon lists for ``model`` at ``tp_rank``.
+
+    Raises:
+        BadRequest: no connected engine serves that model (the daemon lists live namespaces only).
+    """
+    found = [ns for ns in stats.get("namespaces", {}).values() if ns["model"] == model and ns["tp_rank"] == tp_rank]
+    if not found:
+        known = sorted({ns["model"] for ns in stats.get("namespaces", {}).values()})
+        raise BadRequest(f"no connected engine serves model {model!r} at TP rank {tp_rank} "
+                         f"(connected: {', '.join(known) or 'none'})")
+    return found[0]
+
+
+def tier_tokens(tiers: list[str], block_tokens: int, total: int) -> dict[str, Any]:
+    """Per tier, the tokens of the cached prefix it serves, and the prefix's length."""
+    per = {t: 0 for t in TIERS}
+    for t in tiers:
+        per[t] = per.get(t, 0) + block_tokens
+    return {"tokens": total, "cached_tokens": len(tiers) * block_tokens, "tiers": per}
+
+
+@click.command()
+@click.argument("tokens", required=False)
+@click.option("--model", required=True, help="The model id the engine's connector registered.")
+@click.option("--tp-rank", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--socket", help="Daemon socket path.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def lookup(tokens: str | None, model: str, tp_rank: int, socket: str | None, as_json: bool) -> None:
+    """How many leading tokens of TOKENS (token ids; standard input when absent) tierkv holds, and in
+    which tier: what a router scores an instance by."""
+    from tierkv.client.client import Client
+
+    ids = parse_tokens(tokens if tokens is not None else sys.stdin.read())
+    ns = namespace_of(request(socket, "STATS"), model, tp_rank)
+    layout = Layout.from_dict(ns["layout"])
+    with Client.connect(socket, model=model, layout=layout, tp_rank=tp_rank, tp_size=int(ns.get("tp_size", 1)),
+                        populate=False, lookup_index=False) as c:
+        keys = c.block_keys(ids)
+        tiers = c.lookup_tiers(keys) if keys else []
+    out = tier_tokens(tiers, layout.block_tokens, len(ids))
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    held = ", ".join(f"{t} {n}" for t, n in out["tiers"].items() if n) or "none"
+    click.echo(f"{out['cached_tokens']} of {len(ids)} tokens cached ({held})")
