@@ -137,3 +137,34 @@ def test_remote_tier_metrics_and_breaker(daemon_factory, redis_factory):
         m = scrape(port)
         assert m[("tierkv_remote_breaker_state", (("state", "down"),))] + \
             m[("tierkv_remote_breaker_state", (("state", "read-only"),))] == 1
+
+
+def test_lookup_over_http_answers_a_router(daemon_factory):
+    """``GET /lookup`` on the metrics port: the leading tokens of a prompt each tier holds, keyed as the
+    connected engine of the model keys them; a bad query is a 400 with one error line, /metrics unchanged."""
+    import json
+    import urllib.error
+
+    port = free_port()
+    d = daemon_factory(["--metrics-addr", f"127.0.0.1:{port}"])
+    bt = SMALL.block_tokens
+    tokens = list(range(900, 900 + 3 * bt + 1))
+
+    def get(query: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/lookup?{query}", timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    with d.client(model="router-h") as c:
+        c.put(c.block_keys(tokens)[:2], rand_blocks(2, seed=4))
+        ids = ",".join(map(str, tokens))
+        assert get(f"model=router-h&tokens={ids}") == (200, {
+            "tokens": len(tokens), "cached_tokens": 2 * bt, "tiers": {"gpu": 0, "host": 2 * bt, "disk": 0, "remote": 0}})
+        for query, needle in ((f"tokens={ids}", "model is required"), ("model=router-h&tokens=1,x", "tokens must"),
+                              (f"model=nope&tokens={ids}", "no connected engine serves model 'nope'"),
+                              (f"model=router-h&tp_rank=-1&tokens={ids}", "tp_rank")):
+            status, body = get(query)
+            assert status == 400 and needle in body["error"], (query, body)
+        assert any(name.startswith("tierkv_") for name, _ in scrape(port))

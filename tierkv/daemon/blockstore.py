@@ -24,7 +24,8 @@ from tierkv.cache.policy.placement import Placement
 from tierkv.cache.policy.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.core.errors import BadRequest, TierFull
-from tierkv.core.keys import Namespace
+from tierkv.core.keys import Namespace, chain_keys
+from tierkv.core.prefix import tier_tokens
 from tierkv.daemon import learned, retention, scrub, snapshot, tuning
 from tierkv.daemon.config import Config
 from tierkv.daemon.evictor import Evictor
@@ -253,7 +254,23 @@ class BlockStore:
     def lookup(self, s: Session, keys: list[bytes]) -> list[str]:
         """Tier of each leading cached block; stops at the first miss."""
         self.ns(s)
-        return self.fetch_path.lookup(s, keys)
+        return self.fetch_path.lookup(s.fp, keys)
+
+    def lookup_tokens(self, model: str, tp_rank: int, tokens: list[int]) -> dict:
+        """For a router: the leading tokens of prompt ``tokens`` each tier holds
+        (:func:`~tierkv.core.prefix.tier_tokens`), keyed in the namespace a connected engine of ``model``
+        registered at ``tp_rank``.
+
+        Raises:
+            BadRequest: no connected engine of that model at that rank.
+        """
+        with self.lock:
+            ns = next((n for n in self.table.namespaces.values() if n.model == model and n.tp_rank == tp_rank), None)
+        if ns is None:
+            raise BadRequest(f"no connected engine serves model {model!r} at TP rank {tp_rank}")
+        bt = ns.layout.block_tokens
+        keys = chain_keys(ns.fingerprint, tokens, bt)
+        return tier_tokens(self.fetch_path.lookup(ns.fingerprint, keys) if keys else [], bt, len(tokens))
 
     def lookup_count(self, s: Session, keys: list[bytes]) -> int:
         """``len(self.lookup(s, keys))`` without naming the tiers."""

@@ -26,14 +26,14 @@ class FetchPath:
         self.st = st
         self._warm: dict[bytes, tuple[Block, int]] = {}  # prefetched, not used since: (block, its hits then)
 
-    def lookup(self, s: Session, keys: list[bytes]) -> list[str]:
-        """Tier of each leading cached block; stops at the first miss."""
+    def lookup(self, fp: bytes, keys: list[bytes]) -> list[str]:
+        """Tier of each leading cached block of namespace ``fp``; stops at the first miss."""
         st = self.st
         with st.lock:
-            out = st.table.lookup(s.fp, keys)
+            out = st.table.lookup(fp, keys)
         if st.remote is not None and len(out) < len(keys):
             # Only the part of the prefix no local tier holds, in one round trip (outside the lock).
-            out += ["remote"] * st.remote.prefix_len(s.fp, keys[len(out):])
+            out += ["remote"] * st.remote.prefix_len(fp, keys[len(out):])
         return out
 
     def lookup_count(self, s: Session, keys: list[bytes]) -> int:

@@ -1,21 +1,31 @@
-"""Prometheus ``/metrics`` for the daemon (``tierkv serve --metrics-addr``).
+"""Prometheus ``/metrics`` for the daemon (``tierkv serve --metrics-addr``), and ``/lookup`` for routers.
 
 A custom collector turns the daemon's stats snapshot into metric families on each scrape, so the hot
 paths keep their plain counters and pay nothing for the export; only request latency is observed per
 request, into one histogram labelled by op.
+
+``GET /lookup?model=M&tokens=1,2,3[&tp_rank=N]`` answers, as JSON, how many leading tokens of the
+prompt each tier holds, keyed in the namespace of the connected engine of ``M`` (``tierkv lookup``
+over HTTP); a bad query is a 400 with ``{"error": ...}``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
 from tierkv.core.errors import TierKVError
+from tierkv.core.prefix import parse_token_ids
 from tierkv.core.protocol import Op
 
 log = logging.getLogger("tierkv.daemon.metrics")
@@ -176,6 +186,7 @@ class Metrics:
                                  ["op"], registry=self.registry, buckets=LATENCY_BUCKETS)
         self._children: dict[int, Any] = {}
         self._http: Any = None
+        self._server = server
 
     def observe(self, op: int, seconds: float) -> None:
         """Record one request's latency (called from the dispatch loop with the opcode)."""
@@ -189,12 +200,15 @@ class Metrics:
         child.observe(seconds)
 
     def serve(self, addr: str) -> tuple[str, int]:
-        """Serve ``/metrics`` on ``addr`` from a background thread; returns the bound (host, port)."""
+        """Serve ``/metrics`` and ``/lookup`` on ``addr`` from a background thread; returns the bound
+        (host, port)."""
         host, port = parse_addr(addr)
         try:
-            self._http, _thread = start_http_server(port, host, registry=self.registry)
+            self._http = ThreadingHTTPServer((host, port), _handler(self.registry, self._server))
         except OSError as exc:
             raise TierKVError(f"cannot serve metrics on {addr}: {exc.strerror or exc}") from None
+        self._http.daemon_threads = True
+        threading.Thread(target=self._http.serve_forever, name="tierkv-metrics", daemon=True).start()
         bound = self._http.server_address[:2]
         log.info("metrics on http://%s:%d/metrics", *bound)
         return bound[0], bound[1]
@@ -205,3 +219,46 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def _handler(registry: CollectorRegistry, server: Any) -> type:
+    """The request handler: ``/lookup`` here, everything else Prometheus's exposition."""
+    base = MetricsHandler.factory(registry)
+
+    class Handler(base):  # type: ignore[misc, valid-type]
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            if url.path != "/lookup":
+                return super().do_GET()
+            status, body = _lookup(server, parse_qs(url.query))
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return None
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            return None
+
+    return Handler
+
+
+def _lookup(server: Any, query: dict[str, list[str]]) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of ``/lookup``."""
+    try:
+        model = query.get("model", [""])[0]
+        if not model:
+            raise ValueError("model is required")
+        rank = query.get("tp_rank", ["0"])[0]
+        if not rank.isdigit():
+            raise ValueError(f"tp_rank must be an int >= 0, got {rank!r}")
+        tokens = parse_token_ids(query.get("tokens", [""])[0])
+        store = server.store
+        if store is None:
+            return 503, {"error": "the daemon is starting"}
+        return 200, store.lookup_tokens(model, int(rank), tokens)
+    except (ValueError, TierKVError) as exc:
+        return 400, {"error": str(exc)}
+

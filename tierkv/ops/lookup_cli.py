@@ -8,31 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
 
 import click
 
 from tierkv.client.admin import request
 from tierkv.core.errors import BadRequest
 from tierkv.core.layout import Layout
-
-TIERS = ("gpu", "host", "disk", "remote")
-
-
-def parse_tokens(text: str) -> list[int]:
-    """Token ids from a JSON list or from numbers separated by commas or white space.
-
-    Raises:
-        BadRequest: anything else, or an id below 0.
-    """
-    text = text.strip()
-    try:
-        raw = json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise BadRequest("tokens must be a JSON list of ints or ints separated by commas or spaces") from None
-    if not isinstance(raw, list) or not all(type(t) is int and t >= 0 for t in raw):
-        raise BadRequest("tokens must be non-negative ints")
-    return raw
+from tierkv.core.prefix import parse_token_ids, tier_tokens
 
 
 def namespace_of(stats: dict, model: str, tp_rank: int) -> dict:
@@ -49,14 +31,6 @@ def namespace_of(stats: dict, model: str, tp_rank: int) -> dict:
     return found[0]
 
 
-def tier_tokens(tiers: list[str], block_tokens: int, total: int) -> dict[str, Any]:
-    """Per tier, the tokens of the cached prefix it serves, and the prefix's length."""
-    per = {t: 0 for t in TIERS}
-    for t in tiers:
-        per[t] = per.get(t, 0) + block_tokens
-    return {"tokens": total, "cached_tokens": len(tiers) * block_tokens, "tiers": per}
-
-
 @click.command()
 @click.argument("tokens", required=False)
 @click.option("--model", required=True, help="The model id the engine's connector registered.")
@@ -68,7 +42,10 @@ def lookup(tokens: str | None, model: str, tp_rank: int, socket: str | None, as_
     which tier: what a router scores an instance by."""
     from tierkv.client.client import Client
 
-    ids = parse_tokens(tokens if tokens is not None else sys.stdin.read())
+    try:
+        ids = parse_token_ids(tokens if tokens is not None else sys.stdin.read())
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
     ns = namespace_of(request(socket, "STATS"), model, tp_rank)
     layout = Layout.from_dict(ns["layout"])
     with Client.connect(socket, model=model, layout=layout, tp_rank=tp_rank, tp_size=int(ns.get("tp_size", 1)),
