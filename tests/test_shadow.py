@@ -27,11 +27,15 @@ class Clock:
         return self.now
 
 
-def hit_rate(policy, refs, blocks: int, clock: Clock) -> float:
-    """One tier of ``blocks`` one-byte blocks under ``policy``; the fraction of ``refs`` that hit."""
+def hit_rate(policy, refs, blocks: int, clock: Clock, below: bool = False) -> float:
+    """One tier of ``blocks`` one-byte blocks under ``policy``; the fraction of ``refs`` that hit.
+    ``below``: the tier is under another that holds none of these keys, so every reference is one of
+    its own (``referenced``, its shadow's feed there)."""
     hits = 0
     for key in refs:
         clock.now += 1.0
+        if below:
+            policy.referenced(key)
         if key in policy:
             hits += 1
         else:
@@ -97,25 +101,6 @@ def test_shadow_keeps_the_learned_order_where_frequency_wins():
     assert shadowed == pytest.approx(alone, abs=0.005)
 
 
-def below_hit_rate(policy, refs, blocks: int, clock: Clock) -> float:
-    """A tier below another (the disk): every reference reaches it (the tier above holds nothing of
-    these), a miss is written into it, and every use is counted in the shared history (as the host
-    tier counts it); its shadow is fed by ``referenced``."""
-    hits = 0
-    for key in refs:
-        clock.now += 1.0
-        policy.referenced(key)
-        if key in policy:
-            hits += 1
-        else:
-            if len(policy) >= blocks:
-                for v in policy.victims(1):
-                    policy.on_remove(v)
-            policy.on_insert(key, 1)
-        policy.on_access(key)
-    return hits / len(refs)
-
-
 def test_a_lower_tier_shadow_follows_lru_where_recency_wins_and_the_score_where_frequency_does():
     """The disk's shadow sees the disk's references (``referenced``), not only the uses of the blocks
     it holds: it finds LRU ahead on recency traffic and the score ahead on a hot set under a scan."""
@@ -126,14 +111,14 @@ def test_a_lower_tier_shadow_follows_lru_where_recency_wins_and_the_score_where_
         clock = Clock()
         policy = attention(clock, shadow_rate=1.0, **settings)
         policy.shadow_on_requests = True
-        return policy, below_hit_rate(policy, refs, blocks, clock)
+        return policy, hit_rate(policy, refs, blocks, clock, below=True)
 
     refs = recency_refs(3000, 40)
-    lru = below_hit_rate(make_policy("lru", clock=Clock()), refs, 90, Clock())
+    lru = hit_rate(make_policy("lru", clock=Clock()), refs, 90, Clock(), below=True)
     policy, got = below(refs, 90, reuse=wrong)
     assert policy.follows_lru and got >= lru - 0.01
     refs = frequency_refs(3000, 30)
-    lru = below_hit_rate(make_policy("lru", clock=Clock()), refs, 40, Clock())
+    lru = hit_rate(make_policy("lru", clock=Clock()), refs, 40, Clock(), below=True)
     policy, got = below(refs, 40)
     assert not policy.follows_lru and got > lru + 0.1
     policy = attention(Clock(), shadow_rate=1.0)  # a first tier: ``referenced`` is not its feed

@@ -188,6 +188,8 @@ class BlockStore:
     def disk_referenced(self, fks: list[bytes]) -> None:
         """The blocks of chain ``fks`` that host memory does not hold are the disk tier's references
         (its policy's shadow compares orders on them). Lock held."""
+        if getattr(self.diskp.policy, "shadow", None) is None:
+            return  # no shadow to feed (another policy, or disk.order_shadow_rate 0): no walk per request
         ref, table, parent = self.diskp.policy.referenced, self.table, None
         for fk in fks:
             b = table.get(fk)

@@ -97,7 +97,7 @@ class StorePath:
             _check_slots(offsets, s.slots, "slot")
             starts = {i: None if p is None else s.fp + p for i, p in chains.items()}
             new, durable_blocks = self._publish_host(s, ns, fks, offsets, durable, starts)
-            if st.disk is not None:
+            if st.disk is not None and getattr(st.diskp.policy, "shadow", None) is not None:
                 for b in new:  # computed: held by no tier, a reference at the disk's level too
                     st.diskp.policy.referenced(b.fk, b.parent)
             st.transfers.write_through(new)

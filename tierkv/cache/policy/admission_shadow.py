@@ -21,12 +21,12 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from tierkv.cache.policy.shadow import elect, key_hash
+from tierkv.cache.policy.shadow import Contest
 
 NAMES = ("predicted", "all")  # order 0: the rule's writes; order 1: every victim written
 
 
-class AdmissionShadow:
+class AdmissionShadow(Contest):
     """The rule and write-all over a sample of a tier's victims; see the module docstring.
 
     Args:
@@ -36,29 +36,10 @@ class AdmissionShadow:
     """
 
     def __init__(self, rate: float, window: float = 20000.0, z: float = 3.0) -> None:
-        if not 0 < rate <= 1:
-            raise ValueError(f"rate must be in (0, 1], got {rate!r}")
-        if window < 1 or z < 0:
-            raise ValueError("window >= 1 and z >= 0 are needed")
-        self.rate, self.z = rate, z
-        self.keep = 1.0 - 1.0 / window
+        super().__init__(2, rate, window, z)
         self._caches: tuple[OrderedDict[Hashable, int], ...] = (OrderedDict(), OrderedDict())
         self.used = [0, 0]
-        self.cap: float | None = None  # bytes each small cache may hold; None: unbounded
         self._away: set[Hashable] = set()  # sampled keys out of the faster tier, held by a small cache
-        self.hits = [0.0, 0.0]
-        self.wins = [[0.0, 0.0], [0.0, 0.0]]
-        self.leader = 0
-        self.references = 0
-        self.switches = 0
-
-    def sampled(self, unit: Hashable) -> bool:
-        """Whether the keys of sampling unit ``unit`` are sampled."""
-        return key_hash(unit) < self.rate
-
-    def resize(self, nbytes: int) -> None:
-        """The tier holds ``nbytes`` when full: the small caches hold ``rate`` times that."""
-        self.cap = self.rate * nbytes
 
     def departed(self, key: Hashable, size: int, written: bool | None) -> None:
         """A sampled ``key`` (``size`` bytes in the tier) left the faster tier: write-all writes it, the
@@ -83,17 +64,7 @@ class AdmissionShadow:
                 if key in cache:
                     hit[i] += 1
                     cache.move_to_end(key)
-        self.references += 1
-        keep = self.keep
-        for i in range(2):
-            self.hits[i] = self.hits[i] * keep + hit[i]
-            row = self.wins[i]
-            for j in range(2):
-                row[j] = row[j] * keep + (hit[i] > hit[j])
-        best = elect(self.wins, self.leader, self.z)
-        if best != self.leader:
-            self.leader = best
-            self.switches += 1
+        self.count(hit)
 
     def _put(self, i: int, key: Hashable, size: int) -> None:
         cache, other = self._caches[i], self._caches[1 - i]
@@ -107,7 +78,5 @@ class AdmissionShadow:
         self.used[i] += size
 
     def snapshot(self) -> dict[str, Any]:
-        """The leader, the decayed hit counts and how often the leader changed (for ``tierkv stats``)."""
-        return {"leader": NAMES[self.leader], "hits": [round(h, 1) for h in self.hits],  # blocks
-                "wins": [[round(w, 1) for w in row] for row in self.wins], "references": self.references,
-                "switches": self.switches, "rate": self.rate}
+        """The leader, the decayed hit counts (blocks) and how often the leader changed (for ``tierkv stats``)."""
+        return self.snapshot_of(NAMES[self.leader])

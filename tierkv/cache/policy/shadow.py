@@ -60,30 +60,27 @@ def elect(wins: Sequence[Sequence[float]], leader: int, z: float) -> int:
     return best
 
 
-class Shadow:
-    """Orders simulated over a hash sample of the keys; see the module docstring.
+class Contest:
+    """Sides compared on a hash sample of sampling units: the decayed hits and wins of each, and the side
+    that leads (see the module docstring). :class:`Shadow` and the admission shadow are its two kinds.
 
     Args:
-        orders: one policy per order, empty; the shadow owns them (index 0 leads at first).
-        rate: fraction of the keys sampled, in (0, 1].
-        window: sampled references over which hits are counted (exponential decay).
-        z: standard deviations by which another order's lead over the leader must pass a coin's.
+        sides: how many sides (index 0 leads at first).
+        rate: fraction of the sampling units sampled, in (0, 1].
+        window: comparisons over which hits and wins are counted (exponential decay).
+        z: standard deviations by which another side's lead over the leader must pass a coin's.
     """
 
-    def __init__(self, orders: Sequence[Any], rate: float, window: float = 20000.0, z: float = 2.0) -> None:
+    def __init__(self, sides: int, rate: float, window: float, z: float) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"rate must be in (0, 1], got {rate!r}")
         if window < 1 or z < 0:
             raise ValueError("window >= 1 and z >= 0 are needed")
-        self.orders = list(orders)
         self.rate, self.z = rate, z
         self.keep = 1.0 - 1.0 / window
-        n = len(self.orders)
-        self.hits = [0.0] * n
-        self.wins = [[0.0] * n for _ in range(n)]
-        self.used = [0] * len(self.orders)
-        self._sizes: list[dict[Hashable, int]] = [{} for _ in self.orders]
-        self.cap: float | None = None  # bytes each small cache may hold; None until the tier is full
+        self.hits = [0.0] * sides
+        self.wins = [[0.0] * sides for _ in range(sides)]
+        self.cap: float | None = None  # bytes each side's small cache may hold; None until the tier is full
         self.leader = 0
         self.references = 0
         self.switches = 0
@@ -96,16 +93,50 @@ class Shadow:
         """The real tier is full at ``nbytes``: the small caches hold ``rate`` times that."""
         self.cap = self.rate * nbytes
 
-    def reference(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
-        """A use of the sampled ``key`` (``size`` bytes) in the tier: a hit for each order holding it."""
+    def count(self, hit: Sequence[float]) -> None:
+        """One comparison: side ``i`` hit ``hit[i]`` (a block, or a request's blocks); each side wins
+        against those that hit less, and the leader is elected again."""
         self.references += 1
         keep = self.keep
-        hit = [key in order for order in self.orders]
-        for i, order in enumerate(self.orders):
-            self.hits[i] = self.hits[i] * keep + hit[i]
+        for i, h in enumerate(hit):
+            self.hits[i] = self.hits[i] * keep + h
             row = self.wins[i]
             for j in range(len(row)):
-                row[j] = row[j] * keep + (hit[i] and not hit[j])
+                row[j] = row[j] * keep + (h > hit[j])
+        best = elect(self.wins, self.leader, self.z)
+        if best != self.leader:
+            self.leader = best
+            self.switches += 1
+
+    def snapshot_of(self, leader: str) -> dict[str, Any]:
+        """The leader (named ``leader``), the decayed hit and win counts and how often the leader changed
+        (for ``tierkv stats``)."""
+        return {"leader": leader, "hits": [round(h, 1) for h in self.hits],
+                "wins": [[round(w, 1) for w in row] for row in self.wins], "references": self.references,
+                "switches": self.switches, "rate": self.rate}
+
+
+class Shadow(Contest):
+    """Orders simulated over a hash sample of the keys; see the module docstring.
+
+    Args:
+        orders: one policy per order, empty; the shadow owns them (index 0 leads at first).
+        rate: fraction of the keys sampled, in (0, 1].
+        window: sampled references over which hits are counted (exponential decay).
+        z: standard deviations by which another order's lead over the leader must pass a coin's.
+    """
+
+    def __init__(self, orders: Sequence[Any], rate: float, window: float = 20000.0, z: float = 2.0) -> None:
+        super().__init__(len(orders), rate, window, z)
+        self.orders = list(orders)
+        self.used = [0] * len(self.orders)
+        self._sizes: list[dict[Hashable, int]] = [{} for _ in self.orders]
+
+    def reference(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """A use of the sampled ``key`` (``size`` bytes) in the tier: a hit for each order holding it."""
+        hit = [key in order for order in self.orders]
+        self.count(hit)
+        for i, order in enumerate(self.orders):
             if hit[i]:
                 order.on_access(key)
                 continue
@@ -114,7 +145,6 @@ class Shadow:
             order.on_access(key)
             self._sizes[i][key] = size
             self.used[i] += size
-        self._elect()
 
     def _fit(self, i: int, size: int) -> None:
         """Evict from order ``i`` by its own choice until ``size`` more bytes fit its small cache."""
@@ -128,13 +158,6 @@ class Shadow:
             self.used[i] -= self._sizes[i].pop(v)
             order.on_remove(v)
 
-    def _elect(self) -> None:
-        best = elect(self.wins, self.leader, self.z)
-        if best != self.leader:
-            self.leader = best
-            self.switches += 1
-
     def snapshot(self) -> dict[str, Any]:
         """The leader, the decayed hit counts and how often the leader changed (for ``tierkv stats``)."""
-        return {"leader": self.orders[self.leader].name, "hits": [round(h, 1) for h in self.hits],
-                "wins": [[round(w, 1) for w in row] for row in self.wins], "references": self.references, "switches": self.switches, "rate": self.rate}
+        return self.snapshot_of(self.orders[self.leader].name)
