@@ -357,9 +357,9 @@ def test_prefill_and_decode_on_two_instances_through_tierkv(stack):
 
     prompts = [chat(topic, rules=50) for topic in ("ferry", "orchard", "quarry")]
     with VllmServer(stack.model_dir, None, stack.work / "vllm-prefill.log", num_blocks=32, env=DEV,
-                    connector=role("kv_producer")).start() as prefill, \
+                    connector=role("kv_producer")) as prefill, \
          VllmServer(stack.model_dir, None, stack.work / "vllm-decode.log", num_blocks=32, env=DEV,
-                    connector=role("kv_consumer")).start() as decode:
+                    connector=role("kv_consumer")) as decode:
         stored = blocks(stack)
         replies: dict[int, object] = {}
 

@@ -255,3 +255,16 @@ def test_the_vllm_demo_without_a_daemon_is_one_line(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().count("\n") == 0 and "cannot reach tierkv" in p.stderr
+
+
+def test_starting_a_running_vllm_server_again_starts_no_second_one(tmp_path):
+    """``with VllmServer(...).start() as s`` calls ``start`` twice: the second call leaves the running
+    server as it is (a second one would outlive ``stop``, holding its memory)."""
+    from tierkv.integrations.vllm.launch import VllmServer
+
+    s = VllmServer("model", None, tmp_path / "log")
+    s.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    running = s.proc
+    assert s.start(wait=False) is s and s.proc is running
+    s.stop(timeout=5)
+    assert running.poll() is not None and s.proc is None

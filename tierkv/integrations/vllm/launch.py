@@ -103,7 +103,10 @@ class VllmServer:
                              prefix_caching=self.prefix_caching, max_model_len=max_len)
 
     def start(self, wait: bool = True) -> VllmServer:
-        """Start the server (on a fresh port unless one is set) and wait until it answers."""
+        """Start the server (on a fresh port unless one is set) and wait until it answers; a server
+        already running is left as it is (``with VllmServer(...).start()`` starts one server)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         self.port = self.port or free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                    VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_NO_USAGE_STATS="1", **self.env)
