@@ -7,6 +7,7 @@ flags below say which copies are in use; a copy in use never moves or vanishes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,28 +18,96 @@ if TYPE_CHECKING:
     from threading import Event
 
 
-@dataclass(slots=True, eq=False)
-class Block:
-    """One block's record."""
+#: ``observer(block, tier, held)``: a block came to be held in ``tier`` (``held``) or left it.
+Observer = Callable[["Block", str, bool], None]
 
-    fk: bytes                      # fingerprint + key
-    nbytes: int                    # raw bytes (the namespace's block size)
-    host_off: int | None = None    # slot offset in the host pool
-    on_disk: bool = False
-    disk_bytes: int = 0            # encoded bytes on disk
-    leases: int = 0
-    writing: int = 0               # host -> disk/remote stores in flight (they read the slot)
-    on_remote: bool = False        # known to be in the remote tier
-    loading: Event | None = None   # set when a load into the host slot finishes (the daemon makes it)
-    load_failed: bool = False
-    hits: int = 0
-    pin: int = 0                   # retention priority of a pinned prefix (0 = not pinned)
-    mass: float = 1.0              # last attention mass a client reported (1.0 = uniform)
-    gpu_off: int | None = None     # slot offset in the GPU tier's device pool
-    gpu_leases: int = 0
-    gpu_loading: Event | None = None  # set when a host -> gpu copy finishes
-    draining: bool = False         # committed on the GPU, its host copy not made yet (the only copy)
-    parent: bytes | None = None    # the previous block of the chain it was stored in (tails go first)
+
+class Block:
+    """One block's record.
+
+    The four tier copies (``gpu_off``, ``host_off``, ``on_disk``, ``on_remote``) are properties: a
+    record in a table that has an observer reports each copy it gains or loses (KV events).
+    """
+
+    __slots__ = ("fk", "nbytes", "_host", "_disk", "disk_bytes", "leases", "writing", "_remote", "loading",
+                 "load_failed", "hits", "pin", "mass", "_gpu", "gpu_leases", "gpu_loading", "draining",
+                 "parent", "tokens", "obs")
+
+    def __init__(self, fk: bytes, nbytes: int, host_off: int | None = None, on_disk: bool = False,
+                 disk_bytes: int = 0, leases: int = 0, writing: int = 0, on_remote: bool = False,
+                 loading: Event | None = None, load_failed: bool = False, hits: int = 0, pin: int = 0,
+                 mass: float = 1.0, gpu_off: int | None = None, gpu_leases: int = 0,
+                 gpu_loading: Event | None = None, draining: bool = False, parent: bytes | None = None,
+                 tokens: bytes | None = None) -> None:
+        self.fk = fk                      # fingerprint + key
+        self.nbytes = nbytes              # raw bytes (the namespace's block size)
+        self._host = host_off             # slot offset in the host pool
+        self._disk = on_disk
+        self.disk_bytes = disk_bytes      # encoded bytes on disk
+        self.leases = leases
+        self.writing = writing            # host -> disk/remote stores in flight (they read the slot)
+        self._remote = on_remote          # known to be in the remote tier
+        self.loading = loading            # set when a load into the host slot finishes (the daemon makes it)
+        self.load_failed = load_failed
+        self.hits = hits
+        self.pin = pin                    # retention priority of a pinned prefix (0 = not pinned)
+        self.mass = mass                  # last attention mass a client reported (1.0 = uniform)
+        self._gpu = gpu_off               # slot offset in the GPU tier's device pool
+        self.gpu_leases = gpu_leases
+        self.gpu_loading = gpu_loading    # set when a host -> gpu copy finishes
+        self.draining = draining          # committed on the GPU, its host copy not made yet (the only copy)
+        self.parent = parent              # the previous block of the chain it was stored in (tails go first)
+        self.tokens = tokens              # the block's token ids (int32), when the store was told them
+        self.obs: Observer | None = None  # set while the record is in a table that reports changes
+
+    def __repr__(self) -> str:
+        return (f"Block({self.fk.hex()[:16]}, gpu={self._gpu}, host={self._host}, disk={self._disk}, "
+                f"remote={self._remote}, leases={self.leases})")
+
+    def held(self) -> list[str]:
+        """The tiers holding a copy: ``gpu``, ``host``, ``disk``, ``remote``."""
+        return [t for t, on in (("gpu", self._gpu is not None), ("host", self._host is not None),
+                                ("disk", self._disk), ("remote", self._remote)) if on]
+
+    @property
+    def host_off(self) -> int | None:
+        return self._host
+
+    @host_off.setter
+    def host_off(self, off: int | None) -> None:
+        if self.obs is not None and (off is None) != (self._host is None):
+            self.obs(self, "host", off is not None)
+        self._host = off
+
+    @property
+    def gpu_off(self) -> int | None:
+        return self._gpu
+
+    @gpu_off.setter
+    def gpu_off(self, off: int | None) -> None:
+        if self.obs is not None and (off is None) != (self._gpu is None):
+            self.obs(self, "gpu", off is not None)
+        self._gpu = off
+
+    @property
+    def on_disk(self) -> bool:
+        return self._disk
+
+    @on_disk.setter
+    def on_disk(self, on: bool) -> None:
+        if self.obs is not None and on != self._disk:
+            self.obs(self, "disk", on)
+        self._disk = on
+
+    @property
+    def on_remote(self) -> bool:
+        return self._remote
+
+    @on_remote.setter
+    def on_remote(self, on: bool) -> None:
+        if self.obs is not None and on != self._remote:
+            self.obs(self, "remote", on)
+        self._remote = on
 
     @property
     def protected(self) -> bool:
@@ -151,3 +220,19 @@ def fetch_source(b: Block) -> str:
     if b.loading is None:
         return "host"
     return "gpu" if b.draining else "disk"
+
+
+def validate_tokens(tokens: object, n: int, block_tokens: int) -> list[bytes] | None:
+    """Check a commit's ``tokens`` field: the token ids of its ``n`` blocks, ``block_tokens`` each, as
+    one int32 little-endian byte string. Returns them split per block (None when absent).
+
+    Raises:
+        BadRequest: not bytes of exactly that length.
+    """
+    if tokens is None:
+        return None
+    size = block_tokens * 4
+    if type(tokens) is not bytes or len(tokens) != n * size:
+        got = len(tokens) if isinstance(tokens, bytes) else type(tokens).__name__
+        raise BadRequest(f"tokens must be {n} blocks x {block_tokens} int32 token ids ({n * size} bytes), got {got}")
+    return [tokens[i * size:(i + 1) * size] for i in range(n)]

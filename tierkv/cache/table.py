@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from tierkv.cache.block import Block, Lease, Session, tier_of, validate_keys
+from tierkv.cache.block import Block, Lease, Observer, Session, tier_of, validate_keys
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import FINGERPRINT_BYTES, Namespace
 from tierkv.core.layout import Layout
@@ -36,6 +36,17 @@ class BlockTable:
         self.ns_hits: dict[bytes, list[int]] = {}  # fingerprint -> [blocks fetches got, blocks they missed]
         self._ns_sessions: dict[bytes, int] = {}  # connections bound to each namespace
         self._lease_ids = 0
+        self.observer: Observer | None = None  # told of every tier copy a record gains or loses
+
+    def observe(self, observer: Observer | None) -> None:
+        """Report every tier copy a record gains or loses to ``observer`` (records already held are
+        reported as gained)."""
+        self.observer = observer
+        for b in self.blocks.values():
+            b.obs = observer
+            if observer is not None:
+                for tier in b.held():
+                    observer(b, tier, True)
 
     # ---- records ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -54,9 +65,18 @@ class BlockTable:
 
     def add(self, b: Block) -> Block:
         """Record a new block and count it in its namespace."""
+        old = self.blocks.get(b.fk)
+        if old is not None and old is not b and old.obs is not None:
+            for tier in old.held():
+                old.obs(old, tier, False)
+            old.obs = None
         self.blocks[b.fk] = b
         fp = b.fk[:FINGERPRINT_BYTES]
         self.ns_blocks[fp] = self.ns_blocks.get(fp, 0) + 1
+        if self.observer is not None:
+            b.obs = self.observer
+            for tier in b.held():
+                self.observer(b, tier, True)
         return b
 
     def remove(self, b: Block) -> None:
@@ -65,6 +85,10 @@ class BlockTable:
             del self.blocks[b.fk]
             fp = b.fk[:FINGERPRINT_BYTES]
             self.ns_blocks[fp] = self.ns_blocks.get(fp, 1) - 1
+            if b.obs is not None:
+                for tier in b.held():
+                    b.obs(b, tier, False)
+                b.obs = None
 
     def layout_of(self, b: Block) -> Layout:
         """The layout of a block's namespace (registered by the connection that stored it)."""

@@ -95,3 +95,16 @@ def first_tensor(caches: Any) -> Any:
     if isinstance(caches, list | tuple) and caches:
         return caches[0]
     return caches
+
+
+def check_tokens(tokens: Sequence[int] | np.ndarray | None, n: int, block_tokens: int) -> bytes | None:
+    """The token ids of ``n`` blocks (``n * block_tokens`` of them, in order) as int32 little-endian
+    bytes for the wire; None stays None."""
+    if tokens is None:
+        return None
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or arr.size != n * block_tokens or (arr.size and arr.dtype.kind not in "iu"):
+        raise BadRequest(f"tokens must be {n * block_tokens} integer token ids ({n} blocks of {block_tokens})")
+    if arr.size and (arr.min() < 0 or arr.max() >= 1 << 31):
+        raise BadRequest("token ids must be within 0..2^31-1")
+    return arr.astype("<i4").tobytes()

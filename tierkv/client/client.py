@@ -12,7 +12,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierkv.client.checks import check_blocks, check_chains, check_keys, check_out, check_parent, first_tensor
+from tierkv.client.checks import (
+    check_blocks,
+    check_chains,
+    check_keys,
+    check_out,
+    check_parent,
+    check_tokens,
+    first_tensor,
+)
 from tierkv.client.connection import Connection
 from tierkv.client.copies import as_bytes, copy_pairs, new_batch
 from tierkv.client.durable import durable_chunks
@@ -37,7 +45,8 @@ class Client(Connection):
 
     # ---- convenience layer ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor | np.ndarray, durable: bool = False,
-            tier: str | None = None, timeout: float | None = None, parent: bytes | None = None) -> int:
+            tier: str | None = None, timeout: float | None = None, parent: bytes | None = None,
+            tokens: Sequence[int] | np.ndarray | None = None) -> int:
         """Store blocks ``[n, 2, layers, kv_heads, block_tokens, head_dim]`` under ``keys``.
 
         Returns once committed (with ``durable=True``: once synced to the disk tier, which survives a
@@ -54,7 +63,8 @@ class Client(Connection):
 
         ``keys`` are one prefix chain, each the child of the one before; ``parent`` is the key the chain
         continues (the last block of a cached prefix; None: ``keys[0]`` starts a chain). The daemon's
-        eviction order keeps chains whole from the head and takes them from the tail.
+        eviction order keeps chains whole from the head and takes them from the tail. ``tokens``: the
+        blocks' token ids (``len(keys) * block_tokens``) for the daemon's KV events.
 
         Returns:
             How many blocks were new.
@@ -66,18 +76,20 @@ class Client(Connection):
         parent = check_parent(parent, keys)
         tier = self._pick_tier(tier, blocks)
         src = check_blocks(self.layout, blocks, len(keys), self._device(tier))
+        wire = check_tokens(tokens, len(keys), self.layout.block_tokens)
         if not keys:
             return 0
         chunks = durable_chunks(len(keys), self.layout.block_bytes, self._pool_bytes) if durable else []
         if tier == "gpu" or len(chunks) <= 1:
-            return self._store(keys, src, durable, tier, timeout=timeout, parent=parent)
+            return self._store(keys, src, durable, tier, timeout=timeout, parent=parent, tokens=wire)
         # A large durable put streams: each chunk's disk write is queued at its commit, and the copy of
         # the next chunk overlaps it; one SYNC then waits for them all.
-        new = 0
+        new, tb = 0, self.layout.block_tokens * 4
         try:
             for lo, hi in chunks:
                 new += self._store(keys[lo:hi], src[lo:hi], True, tier, wait=False, timeout=timeout,
-                                   parent=keys[lo - 1] if lo else parent)
+                                   parent=keys[lo - 1] if lo else parent,
+                                   tokens=wire[lo * tb:hi * tb] if wire is not None else None)
         except BaseException:
             try:
                 self._call(Op.SYNC, {})  # leave no pending write behind for a later put to report
@@ -88,7 +100,7 @@ class Client(Connection):
         return new
 
     def _store(self, keys: list[bytes], src: torch.Tensor, durable: bool, tier: str, wait: bool = True,
-               timeout: float | None = None, parent: bytes | None = None) -> int:
+               timeout: float | None = None, parent: bytes | None = None, tokens: bytes | None = None) -> int:
         """ALLOC, copy the blocks not cached yet into their slots, COMMIT (ABORT if the copy fails)."""
         # A durable put writes every block, cached or not: a cached copy may live in host memory only,
         # and COMMIT makes durable exactly the keys it is given.
@@ -110,6 +122,9 @@ class Client(Connection):
         chains = [[j, keys[i - 1] if i else parent] for j, i in enumerate(todo) if j == 0 or i != todo[j - 1] + 1]
         if chains and chains != [[0, None]]:
             body["chains"] = chains
+        if tokens is not None:
+            tb = self.layout.block_tokens * 4
+            body["tokens"] = b"".join(tokens[i * tb:(i + 1) * tb] for i in todo)
         return int(self._call(Op.COMMIT, body)["new"])
 
     def _write(self, tier: str, slots: list[int], src: torch.Tensor, rows: list[int]) -> None:
@@ -197,12 +212,14 @@ class Client(Connection):
         return Slots(self, self._call(Op.ALLOC, body)["slots"], tier)
 
     def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False,
-               chains: Sequence[tuple[int, bytes | None]] | None = None) -> int:
+               chains: Sequence[tuple[int, bytes | None]] | None = None,
+               tokens: Sequence[int] | np.ndarray | None = None) -> int:
         """Publish written slots under ``keys`` (immutable from now on); duplicates are deduplicated.
 
         ``keys`` are prefix chains, each key the child of the one before, except where ``chains`` says a
         chain starts: pairs ``(index into keys, the key that chain continues or None)``. None: one
-        chain from ``keys[0]`` (see :meth:`put`'s ``parent``).
+        chain from ``keys[0]`` (see :meth:`put`'s ``parent``). ``tokens``: the blocks' token ids
+        (``len(keys) * block_tokens``), which a daemon publishing KV events sends to routers.
 
         Returns:
             How many blocks were new.
@@ -213,10 +230,13 @@ class Client(Connection):
             raise BadRequest("slots must be an uncommitted Slots from alloc()")
         if len(keys) != len(slots):
             raise BadRequest(f"{len(keys)} keys for {len(slots)} slots")
+        wire_tokens = check_tokens(tokens, len(keys), self.layout.block_tokens)
         slots._open = False
         body = {"keys": keys, "slots": slots.offsets, "durable": durable, "tier": slots.tier}
         if starts:
             body["chains"] = starts
+        if wire_tokens is not None:
+            body["tokens"] = wire_tokens
         return int(self._call(Op.COMMIT, body)["new"])
 
     def acquire(self, keys: Sequence[bytes], tier: str = "host") -> Lease:

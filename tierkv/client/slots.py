@@ -7,7 +7,7 @@ pins cached blocks for reading in place until it is released.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,9 +39,9 @@ class Slots:
         return self.views[i]
 
     def commit(self, keys: Sequence[bytes], durable: bool = False,
-               chains: Sequence[tuple[int, bytes | None]] | None = None) -> int:
+               chains: Sequence[tuple[int, bytes | None]] | None = None, tokens: Any = None) -> int:
         """Publish the slots under ``keys``; returns how many were new. See :meth:`Client.commit`."""
-        return self._client.commit(keys, self, durable=durable, chains=chains)
+        return self._client.commit(keys, self, durable=durable, chains=chains, tokens=tokens)
 
     def abort(self) -> None:
         """Give the slots back without publishing them."""

@@ -90,8 +90,16 @@ class BlockStore:
         self.store_path = StorePath(self)
         self.fetch_path = FetchPath(self)
         self.evictor = Evictor(self)
+        self.events: Any = None  # tierkv.daemon.events.KvEvents when events.endpoint is set
+        if cfg.events.endpoint:
+            from tierkv.daemon.events import KvEvents
+
+            self.events = KvEvents(cfg.events, self.table, self.lock, data_dir if self.disk is not None else None)
+            self.table.observe(self.events.observe)
         if self.disk is not None:
             scrub.scan_disk(self)
+        if self.events is not None:
+            self.events.start()
         self.evictor.start()
 
     def _attach_gpu(self, gpu: Any) -> None:
@@ -228,21 +236,25 @@ class BlockStore:
         return self.store_path.alloc(s, self.ns(s), n, keys, tier, timeout)
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
-               tier: str = "host", wait: bool = True, chains: dict[int, bytes | None] | None = None) -> int:
+               tier: str = "host", wait: bool = True, chains: dict[int, bytes | None] | None = None,
+               tokens: list[bytes] | None = None) -> int:
         """Publish written slots under ``keys``; returns how many were new (the rest deduplicated).
         ``keys`` are prefix chains, each key the child of the one before except at the indexes of
         ``chains``, where a chain continues the key given (None: starts one; default ``{0: None}``).
 
         ``durable`` with ``wait=False`` (host tier): return once the disk write is queued; :meth:`sync`
-        waits for it (a client streams a large durable put: its next copy overlaps this write)."""
+        waits for it (a client streams a large durable put: its next copy overlaps this write).
+        ``tokens``: each block's token ids (int32), kept for KV events when they are on."""
         ns = self.ns(s)
+        if self.events is None:
+            tokens = None
         if len(keys) != len(offsets):
             raise BadRequest("keys and slots differ in length")
         if durable and self.disk is None:
             raise BadRequest("durable=True needs the disk tier, which is disabled")
         if self.tier(tier) == "gpu":
-            return self.store_path.commit_gpu(s, ns, keys, offsets, durable)
-        return self.store_path.commit(s, ns, keys, offsets, durable, wait, chains or {0: None})
+            return self.store_path.commit_gpu(s, ns, keys, offsets, durable, tokens)
+        return self.store_path.commit(s, ns, keys, offsets, durable, wait, chains or {0: None}, tokens)
 
     def sync(self, s: Session) -> None:
         """Wait for the durable writes this connection committed with ``wait=False``."""
@@ -439,5 +451,7 @@ class BlockStore:
         self.closing = True
         self.evictor.stop()
         self.engine.close(timeout)
+        if self.events is not None:
+            self.events.close()
         self.tiers.close()
         self.table.close()

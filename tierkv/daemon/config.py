@@ -155,6 +155,23 @@ class BudgetConfig:
     """host <-> remote."""
 
 
+@dataclass
+class EventsConfig:
+    """KV events for routers: every tier copy a block gains or loses, in vLLM's KV-events format."""
+
+    endpoint: str = ""
+    """ZMQ PUB endpoint, e.g. ``tcp://*:5557`` (bound; ``ipc://`` too) or ``tcp://host:port`` (connected
+    to a broker); empty: no events."""
+    replay_endpoint: str = ""
+    """ZMQ ROUTER endpoint that resends recent batches from a sequence number; empty: no replay."""
+    topic: str = ""
+    """Topic frame of every message."""
+    buffer_steps: int = 10_000
+    """Batches kept for replay."""
+    interval_ms: int = 20
+    """Longest time a change waits before its batch is sent."""
+
+
 from tierkv.tiers.remote import RemoteConfig  # noqa: E402 - the remote tier documents its own settings
 
 
@@ -168,11 +185,12 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     policy: dict[str, Any] = field(default_factory=dict)
     """Policy weights (``[policy]`` table, ``policy.<name>`` keys), applied to every tier whose policy has them."""
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
-    SECTIONS = ("server", "host", "disk", "gpu", "budget", "remote", "policy")
+    SECTIONS = ("server", "host", "disk", "gpu", "budget", "remote", "events", "policy")
 
     @property
     def socket_path(self) -> str:
@@ -186,6 +204,7 @@ class Config:
         _check_disk(self.disk)
         _check_gpu(self.gpu)
         _check_policies(self)
+        _check_events(self.events)
         for name in ("host_disk", "gpu_host", "host_remote"):
             if getattr(self.budget, name) < 0:
                 raise ValueError(f"budget.{name} must be >= 0")
@@ -221,6 +240,17 @@ class Config:
             raise ValueError(f"unknown setting {dotted!r}; {section} has: {', '.join(hints)}")
         setattr(obj, key, _convert(dotted, hints[key], value, key))
         self.sources[dotted] = source
+
+
+def _check_events(e: EventsConfig) -> None:
+    for name in ("endpoint", "replay_endpoint"):
+        value = getattr(e, name)
+        if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"events.{name} must be a tcp://, ipc:// or inproc:// endpoint, got {value!r}")
+    if e.replay_endpoint and not e.endpoint:
+        raise ValueError("events.replay_endpoint needs events.endpoint")
+    if not 1 <= e.buffer_steps <= 1 << 20 or not 1 <= e.interval_ms <= 10_000:
+        raise ValueError("events.buffer_steps must be within 1..2^20 and events.interval_ms within 1..10000")
 
 
 def _check_server(s: ServerConfig) -> None:

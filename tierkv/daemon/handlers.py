@@ -10,7 +10,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from tierkv.cache import tuning
-from tierkv.cache.block import Session, validate_chains, validate_keys
+from tierkv.cache.block import Session, validate_chains, validate_keys, validate_tokens
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -86,8 +86,9 @@ class Handlers:
         wait = body.get("wait", True)
         if type(wait) is not bool:
             raise BadRequest("wait must be a bool")
+        tokens = validate_tokens(body.get("tokens"), len(keys), self.store.ns(s).layout.block_tokens)
         return {"new": self.store.commit(s, keys, slots, bool(body.get("durable", False)), body.get("tier", "host"),
-                                         wait, validate_chains(body.get("chains"), len(keys)))}
+                                         wait, validate_chains(body.get("chains"), len(keys)), tokens)}
 
     def sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Wait for this connection's queued durable writes."""

@@ -291,6 +291,7 @@ class Server:
             "namespaces": st["namespaces"],
             "sessions": self._session_stats(),
             "transfer": st["transfer"],
+            "events": st["events"],
         }
 
     def _session_stats(self) -> list[dict]:

@@ -37,6 +37,7 @@ def store_snapshot(st: BlockStore) -> dict[str, Any]:
             "health": "degraded" if st.degraded else "ok",
             "tiers": tiers,
             "namespaces": namespaces,
+            "events": st.events.stats.to_dict() if st.events is not None else None,
             "transfer": {"inflight": e.inflight, "bytes": dict(e.link_bytes),
                          "seconds": {k: round(v, 4) for k, v in e.link_seconds.items()},
                          "links": {k: v.to_dict() for k, v in e.budgets.stats().items()},

@@ -88,7 +88,7 @@ class StorePath:
 
     # ---- commit -----------------------------------------------------------------------------------
     def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
-               wait: bool, chains: dict[int, bytes | None]) -> int:
+               wait: bool, chains: dict[int, bytes | None], tokens: list[bytes] | None = None) -> int:
         """Publish written host slots under ``keys`` (prefix chains starting at ``chains``, see
         :meth:`BlockStore.commit`); returns how many were new."""
         st = self.st
@@ -96,7 +96,7 @@ class StorePath:
         with st.lock:
             _check_slots(offsets, s.slots, "slot")
             starts = {i: None if p is None else s.fp + p for i, p in chains.items()}
-            new, durable_blocks = self._publish_host(s, ns, fks, offsets, durable, starts)
+            new, durable_blocks = self._publish_host(s, ns, fks, offsets, durable, starts, tokens)
             if st.disk is not None and getattr(st.diskp.policy, "shadow", None) is not None:
                 for b in new:  # computed: held by no tier, a reference at the disk's level too
                     st.diskp.policy.referenced(b.fk, b.parent)
@@ -121,7 +121,8 @@ class StorePath:
         return len(new)
 
     def _publish_host(self, s: Session, ns: Namespace, fks: list[bytes], offsets: list[int],
-                      durable: bool, starts: dict[int, bytes | None]) -> tuple[list[Block], list[Block]]:
+                      durable: bool, starts: dict[int, bytes | None],
+                      tokens: list[bytes] | None) -> tuple[list[Block], list[Block]]:
         """Records for committed host slots, chains starting at ``starts`` (index: parent): (new
         blocks, blocks a durable commit must write). Lock held."""
         st = self.st
@@ -134,12 +135,15 @@ class StorePath:
             del s.slots[off]
             b = st.table.get(fk)
             if b is None:
-                b = st.table.add(Block(fk, ns.layout.block_bytes, host_off=off, parent=parent))
+                b = st.table.add(Block(fk, ns.layout.block_bytes, host_off=off, parent=parent,
+                                       tokens=tokens[i] if tokens else None))
                 st.hostp.inserted(b, parent)
                 st.hostp.policy.on_access(fk)  # a store is a use (insert alone is not counted)
                 st.hostp.stats.bytes_in += b.nbytes
                 new.append(b)
             elif b.host_off is None and b.loading is None:
+                if tokens and b.tokens is None:
+                    b.tokens = tokens[i]
                 b.host_off = off  # on disk only: keep the fresh copy hot instead of reading it back
                 st.hostp.inserted(b, parent)
             else:
@@ -150,7 +154,8 @@ class StorePath:
             parent = fk
         return new, durable_blocks
 
-    def commit_gpu(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool) -> int:
+    def commit_gpu(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
+                   tokens: list[bytes] | None = None) -> int:
         """Publish GPU slots; their copies to host memory (then disk) go on in the background."""
         st = self.st
         fks = [s.fp + k for k in keys]
@@ -158,11 +163,12 @@ class StorePath:
         durable_blocks: list[Block] = []
         with st.lock:
             _check_slots(offsets, s.gpu_slots, "GPU slot")
-            for fk, off in zip(fks, offsets):
+            for i, (fk, off) in enumerate(zip(fks, offsets)):
                 del s.gpu_slots[off]
                 b = st.table.get(fk)
                 if b is None:
-                    b = st.table.add(Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True))
+                    b = st.table.add(Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True,
+                                           tokens=tokens[i] if tokens else None))
                     st.gpup.inserted(b)
                     st.gpup.stats.bytes_in += b.nbytes
                     new.append(b)

@@ -22,6 +22,7 @@ _SERVE_FLAGS = {
     "no_disk": "disk.enabled", "policy": "host.policy", "disk_workers": "disk.workers",
     "log_level": "server.log_level", "remote": "remote.url", "remote_admission": "remote.admission",
     "gpu_capacity": "gpu.capacity", "gpu_device": "gpu.device", "metrics_addr": "server.metrics_addr",
+    "kv_events": "events.endpoint", "kv_events_replay": "events.replay_endpoint",
 }
 
 
@@ -84,6 +85,8 @@ def main() -> None:
 @click.option("--gpu-device", help="GPU tier device: auto, cuda, cuda:N, or cpu (the CPU stand-in).")
 @click.option("--metrics-addr", help="Serve Prometheus /metrics on PORT or HOST:PORT (loopback unless a host "
               "is given), e.g. 127.0.0.1:9464.")
+@click.option("--kv-events", help="Publish KV events (vLLM's format, ZMQ PUB) on an endpoint, e.g. tcp://*:5557.")
+@click.option("--kv-events-replay", help="ZMQ ROUTER endpoint answering replay requests, e.g. tcp://*:5558.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the daemon in the foreground (SIGTERM/SIGINT drain and exit 0)."""

@@ -81,13 +81,13 @@ class StoreCommitter:
         return Slots(client, take)
 
     def submit(self, client: Client, keys: list[bytes], slots: Slots, ready: Any = None,
-               chains: Sequence[tuple[int, bytes | None]] | None = None) -> None:
+               chains: Sequence[tuple[int, bytes | None]] | None = None, tokens: Any = None) -> None:
         """Commit ``slots`` under ``keys`` (prefix chains starting at ``chains``, see
         :meth:`Client.commit`) on the committer's thread once ``ready`` (a CUDA event, or None when the
         copy is done) has completed."""
         with self._lock:
             self._pending += 1
-        self._queue.put((client, keys, slots, ready, chains))
+        self._queue.put((client, keys, slots, ready, chains, tokens))
 
     def take(self) -> Committed:
         """The counters since the last call."""
@@ -106,11 +106,11 @@ class StoreCommitter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            client, keys, slots, ready, chains = item
+            client, keys, slots, ready, chains, tokens = item
             try:
                 if ready is not None:
                     ready.synchronize()
-                new = slots.commit(keys, chains=chains)
+                new = slots.commit(keys, chains=chains, tokens=tokens)
                 result = Committed(stored_tokens=len(keys) * self.block_tokens, new_blocks=new)
             except TierKVError as exc:
                 log.debug("tierkv: a background commit failed: %s", exc)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tierkv.core.errors import TierKVError
 from tierkv.core.keys import KEY_BYTES, Namespace, chain_keys
 from tierkv.integrations.vllm.link import Link
@@ -47,13 +49,15 @@ class BlockIO:
 
     ``wait_s`` marks an asynchronous load: the most seconds it may take before what arrived is used and
     the rest recomputed (None: a load inside the step, or a store). ``parent``: the key ``keys[0]``
-    continues in its request's chain (None: the chain's first block)."""
+    continues in its request's chain (None: the chain's first block). ``tokens``: a store's token ids
+    (int32 bytes, ``block_tokens`` per key), for the daemon's KV events."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
     wait_s: float | None = None
     parent: bytes | None = None
+    tokens: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -239,8 +243,10 @@ class Planner:
         if full > st.stored_blocks and self.stores:
             keys = self._keys(st, full)
             lo = st.stored_blocks
+            ids = st.request.all_token_ids[lo * self.block_tokens:full * self.block_tokens]
             plan.stores.append(BlockIO(st.request.request_id, keys[lo:full], st.block_ids[lo:full],
-                                       parent=keys[lo - 1] if lo else st.root))
+                                       parent=keys[lo - 1] if lo else st.root,
+                                       tokens=np.asarray(ids, dtype="<i4").tobytes()))
             st.stored_blocks = full
 
     def finished(self, request: Any) -> list[bytes]:

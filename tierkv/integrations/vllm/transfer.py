@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierkv.client.client import Client
@@ -134,13 +135,16 @@ class Transfers:
             if io.keys:
                 chains.append((at, io.parent))
                 at += len(io.keys)
+        # token ids for the daemon's KV events, when every request of the step has them
+        tokens = np.frombuffer(b"".join(io.tokens for io in stores if io.keys), dtype="<i4") \
+            if all(io.tokens is not None for io in stores if io.keys) else None
         t0 = time.perf_counter()
         new: int | None = None
         try:
             if self.committer is not None:
-                self._store_behind(keys, ids, chains)
+                self._store_behind(keys, ids, chains, tokens)
             else:
-                new = self.link.call(lambda c: self._store(c, keys, ids, chains))
+                new = self.link.call(lambda c: self._store(c, keys, ids, chains, tokens))
                 if new is None:
                     self.counters.store_errors += len(keys)
         except TierFull:
@@ -156,7 +160,8 @@ class Transfers:
             self.counters.new_blocks += new
             self.counters.stored_tokens += len(keys) * self.pages.layout.block_tokens
 
-    def _store_behind(self, keys: list[bytes], ids: list[int], chains: list[tuple[int, bytes | None]]) -> None:
+    def _store_behind(self, keys: list[bytes], ids: list[int], chains: list[tuple[int, bytes | None]],
+                      tokens: np.ndarray | None) -> None:
         """Copy into the committer's slots (its own connection); it commits them on its own thread."""
         assert self.committer is not None
         link = self.committer.link
@@ -179,13 +184,14 @@ class Transfers:
         if self.pages.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.pages.device))
-        self.committer.submit(client, keys, slots, ready, chains)
+        self.committer.submit(client, keys, slots, ready, chains, tokens)
 
-    def _store(self, client: Client, keys: list[bytes], ids: list[int], chains: list[tuple[int, bytes | None]]) -> int:
+    def _store(self, client: Client, keys: list[bytes], ids: list[int], chains: list[tuple[int, bytes | None]],
+               tokens: np.ndarray | None) -> int:
         with client.alloc(len(keys), timeout=0) as slots:
             self.pages.gather(ids, slots.views)
             self.pages.synchronize()
-            return slots.commit(keys, chains=chains)
+            return slots.commit(keys, chains=chains, tokens=tokens)
 
     def start_async(self, loads: Sequence[BlockIO]) -> None:
         """Start loads that run beside the forward pass; :meth:`take_done` reports them."""
