@@ -122,11 +122,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         """Completions: prefill, then decode; anything else: the decode's answer."""
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+        length = self.headers.get("Content-Length") or "0"
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower() or not length.isdigit():
             self.close_connection = True
             self._reply(411, error_json("pd-proxy: send the body with a Content-Length", 411))
             return
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        raw = self.rfile.read(int(length))
         if self.path.split("?", 1)[0] in COMPLETIONS:
             try:
                 body = json.loads(raw)
