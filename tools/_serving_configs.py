@@ -1,9 +1,13 @@
-"""The serving benchmark's configurations: vLLM alone, vLLM + tierkv, vLLM + LMCache (MP mode).
+"""The serving benchmark's configurations: vLLM alone, vLLM + tierkv, vLLM + LMCache (MP mode), and
+prefill/decode disaggregation through tierkv (``pd``).
 
 Each is a context manager that starts its processes (vLLM's OpenAI server; tierkv's daemon or
 ``lmcache server`` beside it) with a host tier of ``host_bytes`` and a disk tier under ``work``, and
 yields the running :class:`~tierkv.integrations.vllm.launch.VllmServer`. vLLM's own KV cache is
-``vllm_blocks`` blocks in every configuration, with its prefix cache on.
+``vllm_blocks`` blocks in every configuration (in each instance), with its prefix cache on. ``pd``
+runs a prefill vLLM (connector ``kv_role`` ``kv_producer``) and a decode vLLM (``kv_consumer``) on one
+daemon behind ``python -m tierkv pd-proxy``, and yields a :class:`Proxied` server: the proxy, spoken to
+as one vLLM server (its ``/metrics`` are the decode's).
 """
 
 from __future__ import annotations
@@ -14,16 +18,19 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from _benchd import Daemon
 
-from tierkv.integrations.vllm.launch import VllmServer, free_port
+from tierkv.integrations.vllm.launch import VllmServer, connector_config, free_port
 
-NAMES = ("vllm", "tierkv", "lmcache")
+NAMES = ("vllm", "tierkv", "lmcache", "pd")
 MAX_MODEL_LEN = 8192  # SmolLM2's context
 MIB = 1 << 20
 LMCACHE_CHUNK = 256
@@ -44,6 +51,14 @@ class CappedServer(VllmServer):
         if self.python:
             cmd[0] = self.python
         return cmd
+
+
+@dataclass
+class Proxied(VllmServer):
+    """The pd-proxy at ``port`` in front of ``prefill`` and ``decode``, with VllmServer's client calls."""
+
+    prefill: VllmServer | None = None
+    decode: VllmServer | None = None
 
 
 def lmcache_venv() -> Path:
@@ -83,19 +98,66 @@ def start(name: str, model_dir: str, work: Path, *, host_bytes: int, disk_bytes:
         with _vllm(CappedServer(model_dir, None, **common)) as s:
             yield s
     elif name == "tierkv":
-        sock = str(work / "tierkv.sock")
-        daemon = Daemon(work / "tierkv-data", sock, ["--host-capacity", f"{max(1, host_bytes // MIB)}MiB",
-                                                     "--disk-capacity", f"{max(1, disk_bytes // MIB)}MiB"]).start()
-        try:
-            with _vllm(CappedServer(model_dir, sock, **common)) as s:
-                yield s
-        finally:
-            daemon.stop()
+        with _daemon(work, host_bytes, disk_bytes) as sock, _vllm(CappedServer(model_dir, sock, **common)) as s:
+            yield s
+    elif name == "pd":
+        with _daemon(work, host_bytes, disk_bytes) as sock, _pd(model_dir, sock, work, vllm_blocks) as s:
+            yield s
     elif name == "lmcache":
         with _lmcache(model_dir, work, host_bytes, common) as s:
             yield s
     else:
         raise ValueError(f"unknown configuration {name!r} (one of {', '.join(NAMES)})")
+
+
+@contextlib.contextmanager
+def _daemon(work: Path, host_bytes: int, disk_bytes: int) -> Iterator[str]:
+    """tierkv's daemon with the given tiers under ``work``; yields its socket."""
+    sock = str(work / "tierkv.sock")
+    daemon = Daemon(work / "tierkv-data", sock, ["--host-capacity", f"{max(1, host_bytes // MIB)}MiB",
+                                                 "--disk-capacity", f"{max(1, disk_bytes // MIB)}MiB"]).start()
+    try:
+        yield sock
+    finally:
+        daemon.stop()
+
+
+@contextlib.contextmanager
+def _pd(model_dir: str, sock: str, work: Path, vllm_blocks: int) -> Iterator[Proxied]:
+    """A prefill and a decode vLLM on the daemon at ``sock``, and ``tierkv pd-proxy`` in front of them."""
+    def server(role: str, log: str) -> CappedServer:
+        return CappedServer(model_dir, None, work / log, num_blocks=vllm_blocks,
+                            connector={**connector_config(sock), "kv_role": role})
+
+    with _vllm(server("kv_producer", "vllm-prefill.log")) as prefill, \
+            _vllm(server("kv_consumer", "vllm-decode.log")) as decode:
+        port, log = free_port(), work / "pd-proxy.log"
+        with open(log, "ab") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "tierkv", "pd-proxy", "--prefill", prefill.url,
+                                     "--decode", decode.url, "--port", str(port)], stdout=fh,
+                                    stderr=subprocess.STDOUT)
+        try:
+            proxied = Proxied(model_dir, None, log, port=port, name=decode.name, prefill=prefill, decode=decode)
+            _wait_health(proxied.url, proc, log)
+            yield proxied
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+
+
+def _wait_health(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pd-proxy exited (rc {proc.returncode}); log {log}:\n{log.read_text(errors='replace')}")
+        with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url + "/health", timeout=15):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"pd-proxy did not report both instances healthy within {timeout:.0f} s; log {log}")
 
 
 @contextlib.contextmanager

@@ -64,10 +64,11 @@ def greedy_replies(server: VllmServer, n: int, max_tokens: int) -> list[str]:
 
 
 def run_one(cfg: str, wl: workloads.Workload, pressure: str, args: argparse.Namespace, model: str,
-            work: Path, bb: int) -> dict:
-    """One configuration under one workload at one pressure."""
+            work: Path, bb: int, host_bytes: int | None = None) -> dict:
+    """One configuration under one workload at one pressure (``host_bytes``: the host tier's size
+    instead of the pressure's share of the working set)."""
     ws = wl.working_set_blocks() * bb
-    host = int(ws * PRESSURES[pressure])
+    host = int(ws * PRESSURES[pressure]) if host_bytes is None else host_bytes
     disk = 2 * ws + 256 * configs.MIB
     run = work / f"{wl.name}-{pressure}-{cfg}"
     out: dict = {"config": cfg, "workload": wl.name, "pressure": pressure, "host_bytes": host, "disk_bytes": disk}

@@ -31,7 +31,7 @@ class _Group(click.Group):
 
     LAZY = {"replay": "tierkv.ops.replay_cli", "demo": "tierkv.ops.demo", "verify": "tierkv.ops.admin_cli",
             "doctor": "tierkv.ops.admin_cli", "size": "tierkv.ops.size_cli", "top": "tierkv.ops.top",
-            "lookup": "tierkv.ops.lookup_cli"}
+            "lookup": "tierkv.ops.lookup_cli", "pd-proxy": "tierkv.ops.pd_proxy"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -42,7 +42,7 @@ class _Group(click.Group):
             import importlib
 
             try:
-                cmd = getattr(importlib.import_module(self.LAZY[name]), name, None)
+                cmd = getattr(importlib.import_module(self.LAZY[name]), name.replace("-", "_"), None)
             except ImportError:
                 return None  # an optional component is not installed: the command is absent
         return cmd
