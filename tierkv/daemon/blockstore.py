@@ -228,21 +228,22 @@ class BlockStore:
         return self.store_path.alloc(s, self.ns(s), n, keys, tier, timeout)
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
-               tier: str = "host", wait: bool = True, chains: dict[int, bytes | None] | None = None) -> int:
+               tier: str = "host", wait: bool = True, chains: dict[int, bytes | None] | None = None,
+               remote: bool = False) -> int:
         """Publish written slots under ``keys``; returns how many were new (the rest deduplicated).
         ``keys`` are prefix chains, each key the child of the one before except at the indexes of
         ``chains``, where a chain continues the key given (None: starts one; default ``{0: None}``).
-
         ``durable`` with ``wait=False`` (host tier): return once the disk write is queued; :meth:`sync`
-        waits for it (a client streams a large durable put: its next copy overlaps this write)."""
+        waits for it (a client streams a large durable put: its next copy overlaps this write).
+        ``remote``: every block is written through, admitted or not, before the return (if writable)."""
         ns = self.ns(s)
         if len(keys) != len(offsets):
             raise BadRequest("keys and slots differ in length")
         if durable and self.disk is None:
             raise BadRequest("durable=True needs the disk tier, which is disabled")
         if self.tier(tier) == "gpu":
-            return self.store_path.commit_gpu(s, ns, keys, offsets, durable)
-        return self.store_path.commit(s, ns, keys, offsets, durable, wait, chains or {0: None})
+            return self.store_path.commit_gpu(s, ns, keys, offsets, durable, remote)
+        return self.store_path.commit(s, ns, keys, offsets, durable, wait, chains or {0: None}, remote)
 
     def sync(self, s: Session) -> None:
         """Wait for the durable writes this connection committed with ``wait=False``."""
