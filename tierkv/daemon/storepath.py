@@ -221,7 +221,8 @@ class StorePath:
         late = sum(not j.wait(max(0.0, deadline - time.monotonic())) for j in jobs)
         lost = sum(1 for j in jobs if j.done.is_set() for m in j.moves if not m.ok)
         if late or lost:
-            log.warning("remote commit: %d blocks not written through, %d writes still running", lost, late)
+            log.warning("remote commit: %d blocks of its write-through jobs not written, %d jobs still running",
+                        lost, late)
 
     def remote_writable(self) -> bool:
         """Whether a commit's write-through can be waited for: a remote tier whose breakers let writes
