@@ -166,7 +166,8 @@ GARBAGE_BODIES: list[Any] = [
     {"slots": 5}, {"slots": [[1]]}, {"slots": [{"a": 1}]}, {"slots": [-1]}, {"leases": [[1]]},
     {"leases": [-1, 2**64 - 1]}, {"keys": [b"k" * 16], "scores": [float("nan")]},
     {"keys": [b"k" * 16], "scores": [float("inf")]}, {"keys": [b"k" * 16], "scores": ["a"]},
-    {"keys": [b"k" * 16], "slots": [0], "durable": "yes"}, {"namespace": 5},
+    {"keys": [b"k" * 16], "slots": [0], "durable": "yes"}, {"keys": [b"k" * 16], "slots": [0], "remote": "yes"},
+    {"namespace": 5},
     {"namespace": {"model": "m", "layout": {"num_layers": -1}}}, {"settings": {"no.such": 1}},
     {"budget": "x", "sinks": 1, "recent": 1}, {"keys": [b"k" * 16], "priority": 1000},
     {"keys": [b"k" * 16], "slots": [0], "chains": 5}, {"keys": [b"k" * 16], "slots": [0], "chains": [[0, 5]]},
@@ -255,6 +256,31 @@ def test_slot_offsets_out_of_range(live):
     finally:
         c.close()
         other.close()
+    assert settle(live, start) == start
+    check_data(live)
+
+
+def test_bad_commit_flags_are_bad_requests_and_keep_the_slots(live):
+    """``wait`` and ``remote`` are bools: anything else is refused before a block is published."""
+    start = state_of(live)
+    c = RawClient(live.socket)
+    try:
+        c.hello(Namespace("test-model", SMALL))
+        mine = c.ok(Op.ALLOC, {"n": 1})["slots"][0]
+        before = state_of(live)
+        key = [os.urandom(16)]
+        for name in ("wait", "remote"):
+            for value in ("yes", 1, 0, None, 1.0, [True], {}, b"\x01"):
+                status, reply = c.call(Op.COMMIT, {"keys": key, "slots": [mine], name: value})
+                assert status == protocol.STATUS_ERROR and reply["code"] == "bad_request", (name, value, reply)
+                assert name in reply["message"]
+        assert state_of(live) == before
+        # the slot is still ours; without a remote tier ``remote`` stores locally
+        assert c.ok(Op.COMMIT, {"keys": key, "slots": [mine], "remote": True})["new"] == 1
+        assert c.ok(Op.LOOKUP, {"keys": key, "tiers": True})["tiers"] == ["host"]
+        assert c.ok(Op.DELETE, {"keys": key})["deleted"] == 1
+    finally:
+        c.close()
     assert settle(live, start) == start
     check_data(live)
 

@@ -70,3 +70,27 @@ def test_a_put_continuing_a_cached_prefix_keeps_the_chain_whole(daemon_factory):
             c.put(chains[0][:2], rand_blocks(2), parent=chains[0][1])
         with pytest.raises(BadRequest, match="parent"):
             c.put(chains[0][:2], rand_blocks(2), parent="k")
+
+
+def test_remote_is_a_bool_and_a_no_op_without_a_remote_tier(daemon_factory):
+    """``remote=True`` on a daemon without a remote tier stores as a plain put (a streamed durable put
+    too); anything but a bool is refused before a slot is taken or given up."""
+    d = _small_host(daemon_factory)
+    n = 300  # three chunks of a durable put through this host tier
+    with d.client() as c:
+        keys, blocks = keys_for(c, n, seed=7), rand_blocks(n, seed=7)
+        for bad in ("yes", 1, None, 1.0):
+            with pytest.raises(BadRequest, match="remote"):
+                c.put(keys, blocks, remote=bad)
+        assert c.lookup(keys) == 0
+        assert c.put(keys, blocks, durable=True, remote=True) == n
+        assert c.stats()["tiers"]["disk"]["blocks"] == n
+        assert torch.equal(c.get(keys[-64:]).view(torch.int16), blocks[-64:].view(torch.int16))
+        more = keys_for(c, 2, seed=8)
+        with c.alloc(2) as slots:
+            for view, block in zip(slots.views, rand_blocks(2, seed=8)):
+                view.copy_(block)
+            with pytest.raises(BadRequest, match="remote"):
+                slots.commit(more, remote=0)
+            assert slots.commit(more, remote=True) == 2  # the slots were kept
+        assert torch.equal(c.get(more).view(torch.int16), rand_blocks(2, seed=8).view(torch.int16))

@@ -18,6 +18,11 @@ from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import Planner, Role, salt_root
 from tierkv.integrations.vllm.transfer import Transfers
 
+from . import redis_servers
+from .redis_servers import need_redis
+
+redis_server = redis_servers.redis_server
+
 # vLLM's CPU pages for a small model: 2 layers, 2 KV heads of 32, 32-token blocks.
 LAYOUT = Layout(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=32, dtype="float32")
 BT = LAYOUT.block_tokens
@@ -102,8 +107,9 @@ def test_a_prefill_stores_full_blocks_and_a_second_request_loads_them_identicall
 def test_roles_a_consumer_only_loads_and_a_producer_stores_its_whole_prompt(daemon):
     """PD through tierkv: the producer (prefill) stores every full block of the prompt, its own
     prefix hits included, committed within the step; the consumer (decode) loads it and stores nothing."""
-    assert Role.of(None) == Role.of("kv_both") == Role(stores=True, commit_in_step=False)
+    assert Role.of(None) == Role.of("kv_both") == Role(stores=True, commit_in_step=False, write_through=False)
     assert Role.of("kv_producer").commit_in_step and not Role.of("kv_consumer").stores
+    assert [Role.of(r).write_through for r in ("kv_both", "kv_producer", "kv_consumer")] == [False, True, False]
     with pytest.raises(ValueError, match="kv_role"):
         Role.of("kv_relay")
     ns = Namespace("vllm-plan", LAYOUT)
@@ -119,6 +125,38 @@ def test_roles_a_consumer_only_loads_and_a_producer_stores_its_whole_prompt(daem
     assert n == 3 * BT and plan.loads and not plan.stores  # 5 full blocks, 2 new: none stored
     connector = pytest.importorskip("tierkv.integrations.vllm.connector")
     assert connector.TierKVConnector.requires_kv_delivery.fget(None) is False  # best effort in every role
+
+
+@need_redis
+def test_pd_across_nodes_the_consumer_finds_the_whole_prompt_when_the_producer_returns(daemon_factory,
+                                                                                       redis_server):
+    """The producer's daemon A and the consumer's daemon B share a Redis whose admission (``reused``)
+    writes no fresh block through: the producer's in-step commit writes its prompt through and returns
+    after, so the consumer's lookup right after finds all of it there and loads it bit-exact."""
+    args = ["--remote", redis_server.url, "--remote-admission", "reused"]
+    a, b = daemon_factory(args), daemon_factory(args)
+    ns = Namespace("vllm-plan", LAYOUT)
+    tokens = list(range(9000, 9000 + 3 * BT + 1))
+    producer = Planner(link(a), ns, BT, stores=Role.of("kv_producer").stores)
+    n, plan = prefill(producer, Req("p", tokens), [3, 4, 5, 6])
+    src = pages(seed=6)
+    Transfers(link(a), src, remote=Role.of("kv_producer").write_through).store(plan.stores)
+    consumer = Planner(link(b), ns, BT, stores=Role.of("kv_consumer").stores)
+    req = Req("c", tokens)
+    assert consumer.matched_tokens(req, 0) == (3 * BT, True)  # all of it, in the remote tier
+    consumer.allocated(req, [0, 1, 2, 7], 3 * BT)
+    loads = consumer.step(Step([NewReq("c", ([0, 1, 2, 7],), 3 * BT)], Cached(), {"c": 1})).loads
+    dst = pages(seed=7)
+    t = Transfers(link(b), dst)
+    t.load(loads)
+    assert not t.take_load_errors()
+    for s_, d_ in ((3, 0), (4, 1), (5, 2)):
+        assert all(torch.equal(s[s_], d[d_]) for s, d in zip(src.caches, dst.caches))
+    # a plain (kv_both-style) in-step store under ``reused`` leaves a fresh prompt on A alone
+    other = list(range(20000, 20000 + 2 * BT + 1))
+    _, plan = prefill(producer, Req("p2", other), [8, 9, 10])
+    Transfers(link(a), pages(seed=8)).store(plan.stores)
+    assert consumer.matched_tokens(Req("c2", other), 0) == (0, False)
 
 
 def test_at_least_one_token_is_left_to_compute_and_short_prompts_store_nothing(daemon):

@@ -1,4 +1,4 @@
-"""Checks of what a caller passes to the client: keys, block tensors, output tensors.
+"""Checks of what a caller passes to the client: keys, block tensors, output tensors, options.
 
 Each raises :class:`~tierkv.core.errors.BadRequest` naming the problem before anything is sent.
 """
@@ -26,6 +26,20 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     if len(set(out)) != len(out):
         raise BadRequest("keys contain duplicates")
     return out
+
+
+def check_flag(value: object, name: str) -> bool:
+    """A boolean option (``remote``) as a bool; anything else is a BadRequest (as the daemon says too)."""
+    if type(value) is not bool:
+        raise BadRequest(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_seconds(timeout: object) -> float:
+    """A wait bound as float seconds within 0..3600 (ValueError otherwise)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 3600:
+        raise ValueError(f"timeout must be seconds within 0..3600, got {timeout!r}")
+    return float(timeout)
 
 
 def check_parent(parent: bytes | None, keys: list[bytes]) -> bytes | None:

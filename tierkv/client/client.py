@@ -15,9 +15,11 @@ import torch
 from tierkv.client.checks import (
     check_blocks,
     check_chains,
+    check_flag,
     check_keys,
     check_out,
     check_parent,
+    check_seconds,
     check_tokens,
     first_tensor,
 )
@@ -46,11 +48,12 @@ class Client(Connection):
     # ---- convenience layer ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor | np.ndarray, durable: bool = False,
             tier: str | None = None, timeout: float | None = None, parent: bytes | None = None,
-            tokens: Sequence[int] | np.ndarray | None = None) -> int:
+            remote: bool = False, tokens: Sequence[int] | np.ndarray | None = None) -> int:
         """Store blocks ``[n, 2, layers, kv_heads, block_tokens, head_dim]`` under ``keys``.
 
         Returns once committed (with ``durable=True``: once synced to the disk tier, which survives a
-        ``kill -9`` of the daemon). Keys already cached are deduplicated (their data is not copied).
+        ``kill -9`` of the daemon; with ``remote=True``: once written through to the remote tier, see
+        :meth:`commit`). Keys already cached are deduplicated (not copied unless durable or remote).
         ``tier="gpu"`` stores into GPU slots (a device-to-device copy; the daemon drains them to host
         memory and disk in the background); by default CUDA tensors go there when the daemon has a GPU.
         A durable host put larger than a chunk (or than a quarter of the host tier) streams through
@@ -74,6 +77,7 @@ class Client(Connection):
         """
         keys = check_keys(keys)
         parent = check_parent(parent, keys)
+        remote = check_flag(remote, "remote")
         tier = self._pick_tier(tier, blocks)
         src = check_blocks(self.layout, blocks, len(keys), self._device(tier))
         wire = check_tokens(tokens, len(keys), self.layout.block_tokens)
@@ -81,14 +85,14 @@ class Client(Connection):
             return 0
         chunks = durable_chunks(len(keys), self.layout.block_bytes, self._pool_bytes) if durable else []
         if tier == "gpu" or len(chunks) <= 1:
-            return self._store(keys, src, durable, tier, timeout=timeout, parent=parent, tokens=wire)
+            return self._store(keys, src, durable, tier, timeout=timeout, parent=parent, remote=remote, tokens=wire)
         # A large durable put streams: each chunk's disk write is queued at its commit, and the copy of
         # the next chunk overlaps it; one SYNC then waits for them all.
         new, tb = 0, self.layout.block_tokens * 4
         try:
             for lo, hi in chunks:
                 new += self._store(keys[lo:hi], src[lo:hi], True, tier, wait=False, timeout=timeout,
-                                   parent=keys[lo - 1] if lo else parent,
+                                   parent=keys[lo - 1] if lo else parent, remote=remote,
                                    tokens=wire[lo * tb:hi * tb] if wire is not None else None)
         except BaseException:
             try:
@@ -100,13 +104,13 @@ class Client(Connection):
         return new
 
     def _store(self, keys: list[bytes], src: torch.Tensor, durable: bool, tier: str, wait: bool = True,
-               timeout: float | None = None, parent: bytes | None = None, tokens: bytes | None = None) -> int:
+               timeout: float | None = None, parent: bytes | None = None, remote: bool = False,
+               tokens: bytes | None = None) -> int:
         """ALLOC, copy the blocks not cached yet into their slots, COMMIT (ABORT if the copy fails)."""
-        # A durable put writes every block, cached or not: a cached copy may live in host memory only,
-        # and COMMIT makes durable exactly the keys it is given.
-        body: dict[str, Any] = {"n": len(keys), "keys": None if durable else keys, "tier": tier}
+        # A durable or remote put sends every block, cached or not (a cached one may be in host memory only)
+        body: dict[str, Any] = {"n": len(keys), "keys": None if durable or remote else keys, "tier": tier}
         if timeout is not None:
-            body["timeout"] = _seconds(timeout)
+            body["timeout"] = check_seconds(timeout)
         offsets = self._call(Op.ALLOC, body)["slots"]
         todo = [i for i, off in enumerate(offsets) if off is not None]
         slots = [offsets[i] for i in todo]
@@ -115,9 +119,10 @@ class Client(Connection):
         except BaseException:
             self._call(Op.ABORT, {"slots": slots, "tier": tier})
             raise
-        if not slots and not durable:
+        if not slots and not (durable or remote):
             return 0
-        body = {"keys": [keys[i] for i in todo], "slots": slots, "durable": durable, "tier": tier, "wait": wait}
+        body = {"keys": [keys[i] for i in todo], "slots": slots, "durable": durable, "tier": tier, "wait": wait,
+                "remote": remote}
         # each run of blocks not cached continues the block before it (the caller's parent for the first)
         chains = [[j, keys[i - 1] if i else parent] for j, i in enumerate(todo) if j == 0 or i != todo[j - 1] + 1]
         if chains and chains != [[0, None]]:
@@ -208,11 +213,11 @@ class Client(Connection):
         tier = self._pick_tier(tier, None)
         body: dict[str, Any] = {"n": n, "tier": tier}
         if timeout is not None:
-            body["timeout"] = _seconds(timeout)
+            body["timeout"] = check_seconds(timeout)
         return Slots(self, self._call(Op.ALLOC, body)["slots"], tier)
 
     def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False,
-               chains: Sequence[tuple[int, bytes | None]] | None = None,
+               chains: Sequence[tuple[int, bytes | None]] | None = None, remote: bool = False,
                tokens: Sequence[int] | np.ndarray | None = None) -> int:
         """Publish written slots under ``keys`` (immutable from now on); duplicates are deduplicated.
 
@@ -221,18 +226,23 @@ class Client(Connection):
         chain from ``keys[0]`` (see :meth:`put`'s ``parent``). ``tokens``: the blocks' token ids
         (``len(keys) * block_tokens``), which a daemon publishing KV events sends to routers.
 
+        ``remote=True`` writes every block through to the remote tier whatever ``remote.admission`` says
+        and returns once written, for daemons on other nodes sharing it; at once when there is no remote
+        tier or it is down. A failed remote write is logged and counted (``put_dropped``), not raised.
+
         Returns:
             How many blocks were new.
         """
         keys = check_keys(keys)
         starts = check_chains(chains, keys)
+        remote = check_flag(remote, "remote")
         if not isinstance(slots, Slots) or not slots._open:
             raise BadRequest("slots must be an uncommitted Slots from alloc()")
         if len(keys) != len(slots):
             raise BadRequest(f"{len(keys)} keys for {len(slots)} slots")
         wire_tokens = check_tokens(tokens, len(keys), self.layout.block_tokens)
         slots._open = False
-        body = {"keys": keys, "slots": slots.offsets, "durable": durable, "tier": slots.tier}
+        body = {"keys": keys, "slots": slots.offsets, "durable": durable, "tier": slots.tier, "remote": remote}
         if starts:
             body["chains"] = starts
         if wire_tokens is not None:
@@ -400,10 +410,3 @@ class Client(Connection):
     def ping(self) -> dict[str, Any]:
         """Round trip to the daemon."""
         return self._call(Op.PING, {})
-
-
-def _seconds(timeout: object) -> float:
-    """A wait bound as float seconds within 0..3600 (ValueError otherwise)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 3600:
-        raise ValueError(f"timeout must be seconds within 0..3600, got {timeout!r}")
-    return float(timeout)

@@ -39,9 +39,11 @@ class Slots:
         return self.views[i]
 
     def commit(self, keys: Sequence[bytes], durable: bool = False,
-               chains: Sequence[tuple[int, bytes | None]] | None = None, tokens: Any = None) -> int:
-        """Publish the slots under ``keys``; returns how many were new. See :meth:`Client.commit`."""
-        return self._client.commit(keys, self, durable=durable, chains=chains, tokens=tokens)
+               chains: Sequence[tuple[int, bytes | None]] | None = None, remote: bool = False,
+               tokens: Any = None) -> int:
+        """Publish the slots under ``keys``; returns how many were new. ``remote=True`` returns once
+        they are written through to the remote tier. See :meth:`Client.commit`."""
+        return self._client.commit(keys, self, durable=durable, chains=chains, remote=remote, tokens=tokens)
 
     def abort(self) -> None:
         """Give the slots back without publishing them."""

@@ -28,6 +28,7 @@ from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.prefix import tier_tokens
 from tierkv.daemon import learned, retention, scrub, snapshot, tuning
 from tierkv.daemon.config import Config
+from tierkv.daemon.events import open_events
 from tierkv.daemon.evictor import Evictor
 from tierkv.daemon.fetchpath import FetchPath
 from tierkv.daemon.gpupath import GpuPath, check_gpu
@@ -90,12 +91,7 @@ class BlockStore:
         self.store_path = StorePath(self)
         self.fetch_path = FetchPath(self)
         self.evictor = Evictor(self)
-        self.events: Any = None  # tierkv.daemon.events.KvEvents when events.endpoint is set
-        if cfg.events.endpoint:
-            from tierkv.daemon.events import KvEvents
-
-            self.events = KvEvents(cfg.events, self.table, self.lock, data_dir if self.disk is not None else None)
-            self.table.observe(self.events.observe)
+        self.events = open_events(cfg.events, self.table, self.lock, data_dir if self.disk is not None else None)
         if self.disk is not None:
             scrub.scan_disk(self)
         if self.events is not None:
@@ -237,13 +233,13 @@ class BlockStore:
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
                tier: str = "host", wait: bool = True, chains: dict[int, bytes | None] | None = None,
-               tokens: list[bytes] | None = None) -> int:
+               remote: bool = False, tokens: list[bytes] | None = None) -> int:
         """Publish written slots under ``keys``; returns how many were new (the rest deduplicated).
         ``keys`` are prefix chains, each key the child of the one before except at the indexes of
         ``chains``, where a chain continues the key given (None: starts one; default ``{0: None}``).
-
         ``durable`` with ``wait=False`` (host tier): return once the disk write is queued; :meth:`sync`
         waits for it (a client streams a large durable put: its next copy overlaps this write).
+        ``remote``: every block is written through, admitted or not, before the return (if writable).
         ``tokens``: each block's token ids (int32), kept for KV events when they are on."""
         ns = self.ns(s)
         if self.events is None:
@@ -253,8 +249,8 @@ class BlockStore:
         if durable and self.disk is None:
             raise BadRequest("durable=True needs the disk tier, which is disabled")
         if self.tier(tier) == "gpu":
-            return self.store_path.commit_gpu(s, ns, keys, offsets, durable, tokens)
-        return self.store_path.commit(s, ns, keys, offsets, durable, wait, chains or {0: None}, tokens)
+            return self.store_path.commit_gpu(s, ns, keys, offsets, durable, remote, tokens)
+        return self.store_path.commit(s, ns, keys, offsets, durable, wait, chains or {0: None}, remote, tokens)
 
     def sync(self, s: Session) -> None:
         """Wait for the durable writes this connection committed with ``wait=False``."""

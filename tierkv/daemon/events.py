@@ -269,3 +269,12 @@ class KvEvents:
         self.publisher.close()
         if self.tokens is not None:
             self.tokens.close()
+
+
+def open_events(cfg: EventsConfig, table: BlockTable, lock: Any, data_dir: str | None) -> KvEvents | None:
+    """The daemon's KV events when ``events.endpoint`` is set (observing ``table``), else None."""
+    if not cfg.endpoint:
+        return None
+    events = KvEvents(cfg, table, lock, data_dir)
+    table.observe(events.observe)
+    return events

@@ -83,12 +83,10 @@ class Handlers:
         slots = body.get("slots")
         if not isinstance(slots, list):
             raise BadRequest("slots must be a list")
-        wait = body.get("wait", True)
-        if type(wait) is not bool:
-            raise BadRequest("wait must be a bool")
         tokens = validate_tokens(body.get("tokens"), len(keys), self.store.ns(s).layout.block_tokens)
         return {"new": self.store.commit(s, keys, slots, bool(body.get("durable", False)), body.get("tier", "host"),
-                                         wait, validate_chains(body.get("chains"), len(keys)), tokens)}
+                                         _flag(body, "wait", True), validate_chains(body.get("chains"), len(keys)),
+                                         _flag(body, "remote", False), tokens)}
 
     def sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Wait for this connection's queued durable writes."""
@@ -236,3 +234,11 @@ class Handlers:
         if not all(isinstance(a, int) for a in args):
             raise BadRequest("budget, sinks and recent must be ints")
         return {"demoted": self.store.window(s, validate_keys(body.get("keys")), *args)}
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    """A boolean field of a request body (``default`` when absent); anything but a bool is a BadRequest."""
+    value = body.get(name, default)
+    if type(value) is not bool:
+        raise BadRequest(f"{name} must be a bool, got {value!r}")
+    return value

@@ -1,9 +1,11 @@
 """The store path: ``alloc`` hands a connection slots, the client writes them, ``commit`` publishes them
 under their keys (a key already cached is deduplicated); durable commits wait for (or queue) the disk
-write. Host and GPU tiers alike."""
+write, remote commits for the write-through of every committed block to the remote tier. Host and
+GPU tiers alike."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -16,6 +18,8 @@ from tierkv.tiers.host import slot_size_for
 
 if TYPE_CHECKING:
     from tierkv.daemon.blockstore import BlockStore
+
+log = logging.getLogger("tierkv.table")
 
 
 def job_failed(job: Job) -> TierKVError | None:
@@ -88,46 +92,45 @@ class StorePath:
 
     # ---- commit -----------------------------------------------------------------------------------
     def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
-               wait: bool, chains: dict[int, bytes | None], tokens: list[bytes] | None = None) -> int:
+               wait: bool, chains: dict[int, bytes | None], remote: bool = False,
+               tokens: list[bytes] | None = None) -> int:
         """Publish written host slots under ``keys`` (prefix chains starting at ``chains``, see
         :meth:`BlockStore.commit`); returns how many were new."""
         st = self.st
         fks = [s.fp + k for k in keys]
+        remote = remote and self.remote_writable()
         with st.lock:
             _check_slots(offsets, s.slots, "slot")
             starts = {i: None if p is None else s.fp + p for i, p in chains.items()}
-            new, durable_blocks = self._publish_host(s, ns, fks, offsets, durable, starts, tokens)
+            new, committed = self._publish_host(s, ns, fks, offsets, starts, tokens)
             if st.disk is not None and getattr(st.diskp.policy, "shadow", None) is not None:
                 for b in new:  # computed: held by no tier, a reference at the disk's level too
                     st.diskp.policy.referenced(b.fk, b.parent)
-            st.transfers.write_through(new)
+            through = st.transfers.write_through(committed if remote else new, every=remote)
             now = time.monotonic()
             bounds = sorted({0, *starts, len(fks)})
             for lo, hi in zip(bounds, bounds[1:]):  # each chain on its own
                 st.host_reuse.stored(fks[lo:hi], now)
                 if st.cfg.disk.admission == "predicted":
                     st.admission.stored(fks[lo:hi], now)
+            durable_blocks = [b for b in committed if not b.on_disk] if durable else []
             job = st.transfers.store(durable_blocks) if durable_blocks else None
             if job is not None and not wait:
                 s.pending.append(job)
                 job = None
             st.changed.notify_all()
-        if job is not None:
-            job.wait()
-            err = job_failed(job)
-            if err is not None:
-                raise err
+        self._finish(job, through)
         st.evictor.kick()
         return len(new)
 
     def _publish_host(self, s: Session, ns: Namespace, fks: list[bytes], offsets: list[int],
-                      durable: bool, starts: dict[int, bytes | None],
+                      starts: dict[int, bytes | None],
                       tokens: list[bytes] | None) -> tuple[list[Block], list[Block]]:
         """Records for committed host slots, chains starting at ``starts`` (index: parent): (new
-        blocks, blocks a durable commit must write). Lock held."""
+        blocks, every committed block). Lock held."""
         st = self.st
         new: list[Block] = []
-        durable_blocks: list[Block] = []
+        committed: list[Block] = []
         parent: bytes | None = None
         for i, (fk, off) in enumerate(zip(fks, offsets)):
             if i in starts:
@@ -149,18 +152,18 @@ class StorePath:
             else:
                 st.host.free(off)  # deduplicated
                 st.hostp.touch(b)
-            if durable and not b.on_disk:
-                durable_blocks.append(b)
+            committed.append(b)
             parent = fk
-        return new, durable_blocks
+        return new, committed
 
     def commit_gpu(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
-                   tokens: list[bytes] | None = None) -> int:
+                   remote: bool = False, tokens: list[bytes] | None = None) -> int:
         """Publish GPU slots; their copies to host memory (then disk) go on in the background."""
         st = self.st
         fks = [s.fp + k for k in keys]
         new: list[Block] = []
-        durable_blocks: list[Block] = []
+        committed: list[Block] = []
+        remote = remote and self.remote_writable()
         with st.lock:
             _check_slots(offsets, s.gpu_slots, "GPU slot")
             for i, (fk, off) in enumerate(zip(fks, offsets)):
@@ -178,30 +181,59 @@ class StorePath:
                 else:
                     st.gpu.free(off)  # deduplicated
                     st.hostp.touch(b)
-                if durable and not b.on_disk:
-                    durable_blocks.append(b)
+                committed.append(b)
             st.gpu_path.drain(new)
             st.changed.notify_all()
-        if durable_blocks:
-            self._make_durable(durable_blocks)
+        if durable or remote:
+            self._after_drain([b for b in committed if not b.on_disk] if durable else [], committed if remote else [])
         return len(new)
 
-    def _make_durable(self, blocks: list[Block]) -> None:
-        """Wait for GPU commits to reach host memory, then write them to disk and wait for the sync."""
+    def _after_drain(self, durable: list[Block], remote: list[Block]) -> None:
+        """Wait for GPU commits to reach host memory, then write ``durable`` to disk (waiting for the
+        sync) and ``remote`` through to the remote tier (waiting for the write)."""
         st = self.st
         deadline = time.monotonic() + max(30.0, st.cfg.server.drain_timeout_s)
         with st.lock:
-            while any(b.draining for b in blocks):
+            while any(b.draining for b in durable + remote):
                 if st.closing or time.monotonic() > deadline:
-                    raise TierFull("durable write failed: blocks did not reach host memory in time")
+                    if durable:
+                        raise TierFull("durable write failed: blocks did not reach host memory in time")
+                    log.warning("remote commit: %d blocks did not reach host memory in time", len(remote))
+                    return
                 st.changed.wait(0.05)
-            todo = [b for b in blocks if not b.on_disk and b.host_ready]
+            todo = [b for b in durable if not b.on_disk and b.host_ready]
             job = st.transfers.store(todo) if todo else None
+            through = st.transfers.write_through(remote, every=True) if remote else []
+        self._finish(job, through)
+
+    def _finish(self, job: Job | None, through: list[Job]) -> None:
+        """Wait for a commit's disk write ``job`` and its remote writes ``through``.
+
+        Raises:
+            TierKVError: the disk write failed (a failed remote write is logged and counted only:
+                the block is a recompute, the commit stands).
+        """
         if job is not None:
             job.wait()
-            err = job_failed(job)
-            if err is not None:
-                raise err
+        if through:
+            self._wait_remote(through)
+        err = job_failed(job) if job is not None else None
+        if err is not None:
+            raise err
+
+    def _wait_remote(self, jobs: list[Job]) -> None:
+        """Wait (bounded) for the remote writes of a commit; log what did not land."""
+        deadline = time.monotonic() + max(30.0, self.st.cfg.server.drain_timeout_s)
+        late = sum(not j.wait(max(0.0, deadline - time.monotonic())) for j in jobs)
+        lost = sum(1 for j in jobs if j.done.is_set() for m in j.moves if not m.ok)
+        if late or lost:
+            log.warning("remote commit: %d blocks of its write-through jobs not written, %d jobs still running",
+                        lost, late)
+
+    def remote_writable(self) -> bool:
+        """Whether a commit's write-through can be waited for: a remote tier whose breakers let writes
+        through (otherwise the write would be dropped at once: the commit does not wait for it)."""
+        return self.st.remote is not None and self.st.remote.writable()
 
     # ---- sync and abort ---------------------------------------------------------------------------
     def sync(self, s: Session) -> None:

@@ -28,6 +28,7 @@ class Transfers:
 
     def __init__(self, st: BlockStore) -> None:
         self.st = st
+        self._inflight: dict[bytes, Job] = {}  # remote writes not finished yet, by block
 
     def _moves(self, blocks: list[Block]) -> list[Move]:
         return moves(blocks, self.st.host.view, self.st.table.layout_of)
@@ -58,27 +59,40 @@ class Transfers:
         return st.engine.store(self._moves(blocks), on_done=done)
 
     # ---- host -> remote ---------------------------------------------------------------------------
-    def write_through(self, blocks: list[Block]) -> None:
-        """Copy admitted host blocks to the remote tier in the background (slots pinned meanwhile)."""
+    def write_through(self, blocks: list[Block], every: bool = False) -> list[Job]:
+        """Copy host blocks to the remote tier in the background (slots pinned meanwhile): those
+        ``remote.admission`` admits, or with ``every`` all of them.
+
+        Returns:
+            With ``every``, the jobs writing any of ``blocks`` (this call's and those already in
+            flight), for a caller that waits until they are on the remote; otherwise an empty list.
+        """
         st = self.st
         if st.remote is None:
-            return
+            return []
         mode = st.cfg.remote.admission
-        todo = [b for b in blocks if not b.on_remote and b.host_ready and st.hostp.worth_writing(b, mode)]
+        todo = [b for b in blocks if not b.on_remote and b.host_ready and (every or st.hostp.worth_writing(b, mode))]
+        jobs = {id(j): j for j in (self._inflight.get(b.fk) for b in blocks) if j is not None} if every else {}
         if not todo:
-            return
+            return list(jobs.values())
         for b in todo:
             b.writing += 1
             b.on_remote = True  # optimistic: a failed write is undone below
 
         def each(b: Block, m: Move) -> None:
             b.writing -= 1
+            self._inflight.pop(b.fk, None)
             if m.ok:
                 st.remote_stats.bytes_in += b.nbytes
             else:
                 b.on_remote = False
 
-        st.engine.store_remote(st.remote, self._moves(todo), on_done=completion(st.changed, todo, each))
+        job = st.engine.store_remote(st.remote, self._moves(todo), on_done=completion(st.changed, todo, each))
+        if not job.done.is_set():  # its completion, which forgets it, waits for the lock the caller holds
+            self._inflight.update(dict.fromkeys((b.fk for b in todo), job))
+        if every:
+            jobs[id(job)] = job
+        return list(jobs.values())
 
     # ---- disk -> host -----------------------------------------------------------------------------
     def load(self, ns: Namespace, blocks: list[Block]) -> Job:

@@ -12,7 +12,8 @@ Load it with::
 ``kv_role`` (:class:`~tierkv.integrations.vllm.plan.Role`): ``kv_both`` loads and stores, committing
 behind the step; ``kv_producer`` (a prefill instance) stores every full block of the prompt, vLLM's
 own prefix hits included, and commits them within the step, so they are in tierkv when the response
-leaves; ``kv_consumer`` (a decode instance) only loads. Every role is a best-effort cache
+leaves (and, where the daemon has a remote tier, written through to it: a consumer on another node whose
+daemon shares that tier finds them); ``kv_consumer`` (a decode instance) only loads. Every role is a best-effort cache
 (``requires_kv_delivery`` is False): a block that did not arrive is recomputed.
 
 The scheduler side (:class:`~tierkv.integrations.vllm.plan.Planner`) finds each request's cached
@@ -153,7 +154,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._transfers = Transfers(
             Link(self._socket, **args), pages, async_link=Link(self._socket, **args),  # type: ignore[arg-type]
             committer=StoreCommitter(Link(self._socket, **args), self._layout.block_tokens)  # type: ignore[arg-type]
-            if behind else None)
+            if behind else None, remote=self._role.write_through)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load this step's in-host blocks into vLLM's pages (all requests, all layers, one pass) and

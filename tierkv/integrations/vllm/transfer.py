@@ -74,13 +74,17 @@ class Transfers:
     Args:
         link: the connection to the daemon (this worker's namespace).
         pages: the worker's paged caches.
+        async_link: a second connection, for loads beside the forward pass (None: they run in the step).
+        committer: commits stores behind the step (None: within it).
+        remote: in-step commits return once written through to the daemon's remote tier (a producer's).
     """
 
     def __init__(self, link: Link, pages: VllmPages, async_link: Link | None = None,
-                 committer: StoreCommitter | None = None) -> None:
+                 committer: StoreCommitter | None = None, remote: bool = False) -> None:
         self.link = link
         self.pages = pages
         self.committer = committer
+        self.remote = remote
         self.counters = Counters()
         self._errors: set[int] = set()
         self._warned: dict[str, float] = {}
@@ -191,7 +195,7 @@ class Transfers:
         with client.alloc(len(keys), timeout=0) as slots:
             self.pages.gather(ids, slots.views)
             self.pages.synchronize()
-            return slots.commit(keys, chains=chains, tokens=tokens)
+            return slots.commit(keys, chains=chains, remote=self.remote, tokens=tokens)
 
     def start_async(self, loads: Sequence[BlockIO]) -> None:
         """Start loads that run beside the forward pass; :meth:`take_done` reports them."""
