@@ -82,6 +82,20 @@ def test_a_remote_put_of_cached_blocks_writes_them_through(daemon_factory, redis
 
 
 @need_redis
+def test_a_remote_commit_also_writes_the_prefix_it_continues(daemon_factory, redis_server):
+    """A producer that loaded a cached prefix from its own daemon commits only what it computed; the
+    prefix that commit continues (by its chain links) is written through with it."""
+    a, b = _nodes(daemon_factory, redis_server.url)
+    with a.client() as ca, b.client() as cb:
+        keys, data = keys_for(ca, 12, seed=17), rand_blocks(12, seed=17)
+        ca.put(keys[:8], data[:8])  # an earlier request, on A only under ``reused``
+        assert cb.lookup(keys) == 0
+        ca.put(keys[8:], data[8:], parent=keys[7], remote=True)
+        assert cb.lookup_tiers(keys) == ["remote"] * 12
+        assert _same(cb.get(keys), data)
+
+
+@need_redis
 def test_a_remote_put_through_the_gpu_tier(daemon_factory, redis_server):
     """A GPU-tier commit reaches host memory first, then the remote, before the put returns."""
     a, b = _nodes(daemon_factory, redis_server.url, args_a=("--gpu-capacity", "8MiB", "--gpu-device", "cpu"))

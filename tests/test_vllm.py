@@ -345,38 +345,3 @@ def test_a_stalled_disk_ends_the_load_within_its_bound_and_vllm_recomputes(stack
         stack.daemon.kill()
         stack.daemon.env.pop("TIERKV_FAULTS", None)
         stack.daemon.start()
-
-
-def test_prefill_and_decode_on_two_instances_through_tierkv(stack):
-    """PD on one node: a prefill instance (``kv_producer``) answers each request with one token and
-    leaves the whole prompt in tierkv; a decode instance (``kv_consumer``) loads at least 90% of the
-    prompt from tierkv and answers as it does alone (the reference runs under a ``cache_salt`` no block
-    was stored with)."""
-    def role(kv_role: str) -> dict:
-        return {**connector_config(stack.daemon.socket), "kv_role": kv_role}
-
-    prompts = [chat(topic, rules=50) for topic in ("ferry", "orchard", "quarry")]
-    with VllmServer(stack.model_dir, None, stack.work / "vllm-prefill.log", num_blocks=32, env=DEV,
-                    connector=role("kv_producer")) as prefill, \
-         VllmServer(stack.model_dir, None, stack.work / "vllm-decode.log", num_blocks=32, env=DEV,
-                    connector=role("kv_consumer")) as decode:
-        stored = blocks(stack)
-        replies: dict[int, object] = {}
-
-        def pd(i: int) -> None:
-            prefill.chat(prompts[i], max_tokens=1)
-            replies[i] = decode.chat(prompts[i])
-
-        threads = [threading.Thread(target=pd, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-        assert blocks(stack) > stored
-        before = blocks(stack)
-        decode.chat(chat("tundra", rules=50), max_tokens=4)  # a consumer only loads
-        assert blocks(stack) == before
-        for i, msgs in enumerate(prompts):
-            got = replies[i]
-            assert got.cached_tokens >= 0.9 * got.prompt_tokens, (got.cached_tokens, got.prompt_tokens)
-            assert got.text == decode.chat(msgs, salt="pd-reference").text  # no block under that salt

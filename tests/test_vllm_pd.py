@@ -186,5 +186,7 @@ def test_prefill_killed_mid_request_still_answers_right(fleet):
     assert not t.is_alive()
     got = out["r"]
     assert got.text == ref.text
+    log = (fleet.work / "proxy-a.log").read_text()
+    assert "the decode recomputes the prompt" in log, "the prefill died before it answered"
     with pytest.raises(urllib.error.HTTPError):  # the proxy reports the dead prefill as unhealthy
         urllib.request.urlopen(fleet.proxy.view.url + "/health", timeout=5)

@@ -106,7 +106,8 @@ class StorePath:
             if st.disk is not None and getattr(st.diskp.policy, "shadow", None) is not None:
                 for b in new:  # computed: held by no tier, a reference at the disk's level too
                     st.diskp.policy.referenced(b.fk, b.parent)
-            through = st.transfers.write_through(committed if remote else new, every=remote)
+            # the producer side of PD across nodes: the prefix its blocks continue goes to the remote too
+            through = st.transfers.write_through(committed + self._ancestors(starts) if remote else new, every=remote)
             now = time.monotonic()
             bounds = sorted({0, *starts, len(fks)})
             for lo, hi in zip(bounds, bounds[1:]):  # each chain on its own
@@ -229,6 +230,17 @@ class StorePath:
         if late or lost:
             log.warning("remote commit: %d blocks of its write-through jobs not written, %d jobs still running",
                         lost, late)
+
+    def _ancestors(self, starts: dict[int, bytes | None], limit: int = 1 << 14) -> list[Block]:
+        """The blocks the chains of a commit continue (parents' parents, up to ``limit``) that are not
+        on the remote tier: a prefix the engine loaded rather than computed. Lock held."""
+        out: list[Block] = []
+        for parent in starts.values():
+            b = self.st.table.get(parent) if parent is not None else None
+            while b is not None and not b.on_remote and len(out) < limit:
+                out.append(b)
+                b = self.st.table.get(b.parent) if b.parent is not None else None
+        return out
 
     def remote_writable(self) -> bool:
         """Whether a commit's write-through can be waited for: a remote tier whose breakers let writes
