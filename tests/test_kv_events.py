@@ -117,6 +117,35 @@ def test_late_subscriber_replays_and_events_decode_as_vllms(daemon):
     assert kinds[0] == "AllBlocksCleared" and kinds.count("BlockStored") == 16
 
 
+def test_gpu_and_remote_media(tmp_path):
+    """The GPU tier (its CPU stand-in here) and the remote tier (a real Redis) report as the host and
+    disk tiers do: the index matches every tier of ``tierkv stats``."""
+    from .redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer
+
+    if not (REDIS_SERVER and REDIS_CLI):
+        pytest.skip("redis-server not on PATH (tools/ensure_services.sh installs it)")
+    redis = RedisServer().start()
+    ep, rep = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    d = Daemon(tmp_path, ["--kv-events", ep, "--kv-events-replay", rep, "--remote", redis.url,
+                          "--remote-admission", "all", "--gpu-capacity", "1MiB", "--gpu-device", "cpu",
+                          "--slab-bytes", "1MiB"]).start()
+    index = EventIndex(ep, replay=rep).start()
+    try:
+        rng = np.random.default_rng(3)
+        with d.client() as c:
+            for _ in range(24):  # 192 blocks of 8 KiB through a 1 MiB GPU tier
+                toks = chain(rng, 8)
+                data = rng.integers(0, 1 << 16, (8, *SMALL.block_shape), dtype=np.uint16)
+                c.put(c.block_keys(toks), data, tier="gpu", tokens=toks)
+        counts = settle(d, index)
+        assert {"GPU", "CPU", "REMOTE"} <= set(counts), counts
+        assert d.stats()["tiers"]["gpu"]["evictions"] > 0
+    finally:
+        index.close()
+        d.stop()
+        redis.stop()
+
+
 def test_bad_tokens_are_refused_and_store_nothing(daemon):
     rng = np.random.default_rng(2)
     toks = chain(rng, 2)

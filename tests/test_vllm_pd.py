@@ -159,14 +159,19 @@ def test_pd_on_one_node_through_the_proxy(fleet):
 
 def test_pd_across_two_daemons_sharing_redis(fleet):
     """Prefill through daemon A, decode through daemon B: the producer's commits are written through
-    to the shared Redis before its reply, and B's decode instance loads the prompt from there."""
+    to the shared Redis before its reply, and B's decode instance loads the prompt from there; daemon
+    A's events announce the blocks on the remote tier."""
     prompts = [chat(t) for t in ("lantern", "meadow")]
     hits0 = fleet.b.stats()["tiers"]["remote"]["hits"]
     replies = run_concurrently(lambda i: fleet.proxy_b.view.chat(prompts[i], max_tokens=24), len(prompts))
+    remote = {tuple(ids) for ids in fleet.events.held("REMOTE").values()}
     for i, msgs in enumerate(prompts):
         got = replies[i]
         assert got.cached_tokens >= 0.9 * got.prompt_tokens, (got.cached_tokens, got.prompt_tokens)
         assert got.text == fleet.decode_b.chat(msgs, max_tokens=24, salt="pd-reference").text
+        ids = fleet.decode_b.tokenize(msgs)
+        assert all(tuple(ids[j * BT:(j + 1) * BT]) in remote for j in range(len(ids) // BT)), \
+            "daemon A's events announce the prompt's blocks on the remote tier"
     assert fleet.b.stats()["tiers"]["remote"]["hits"] > hits0
 
 
