@@ -68,7 +68,7 @@ class TokenStore:
     def __init__(self, path: Path) -> None:
         path.mkdir(mode=0o700, exist_ok=True)
         self.env = lmdb.open(str(path), map_size=META_MAP_BYTES, subdir=True, sync=False, metasync=False,
-                             max_dbs=0, lock=True)
+                             max_dbs=0, lock=True, mode=0o600)
 
     def get(self, fk: bytes) -> tuple[bytes | None, bytes, dict] | None:
         with self.env.begin() as txn:
