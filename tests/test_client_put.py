@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import SMALL, keys_for, rand_blocks
-from tierkv.core.errors import BadRequest
+from tierkv.core.errors import BadRequest, KeyMissing
 
 HOST = 4 << 20  # the host tier of these tests: 512 blocks of SMALL
 
@@ -25,6 +25,20 @@ def test_durable_put_larger_than_the_host_tier_streams_to_disk(daemon_factory):
         for lo in range(0, n, 128):  # read back in batches the host tier holds
             got = c.get(keys[lo:lo + 128])
             assert torch.equal(got.view(torch.int16), blocks[lo:lo + 128].view(torch.int16))
+
+
+def test_get_of_more_blocks_than_the_host_tier_holds_streams_from_disk(daemon_factory):
+    """A ``get`` as large as the durable put before it (three host tiers of blocks) returns them all,
+    read through the host tier in chunks; a missing block names its index in the whole request."""
+    d = _small_host(daemon_factory)
+    n = 3 * HOST // SMALL.block_bytes
+    with d.client() as c:
+        keys, blocks = keys_for(c, n, seed=5), rand_blocks(n, seed=5)
+        c.put(keys, blocks, durable=True)
+        assert torch.equal(c.get(keys).view(torch.int16), blocks.view(torch.int16))
+        c.delete(keys[n - 10:n - 9])
+        with pytest.raises(KeyMissing, match=f"first missing at index {n - 10}"):
+            c.get(keys)
 
 
 def test_durable_put_below_the_first_chunk_but_above_the_host_tier(daemon_factory):

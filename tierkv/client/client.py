@@ -25,7 +25,7 @@ from tierkv.client.checks import (
 )
 from tierkv.client.connection import Connection
 from tierkv.client.copies import as_bytes, copy_pairs, new_batch
-from tierkv.client.durable import durable_chunks
+from tierkv.client.durable import durable_chunks, slot_bytes
 from tierkv.client.slots import Lease, Slots
 from tierkv.core.errors import BadRequest, KeyMissing, TierKVError
 from tierkv.core.keys import chain_keys
@@ -157,7 +157,8 @@ class Client(Connection):
         copy_pairs([(flat[i * nb:(i + 1) * nb], pool[off:off + nb]) for i, off in enumerate(offsets)])
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None, tier: str | None = None) -> torch.Tensor:
-        """The blocks under ``keys`` as one tensor (promoting from disk as needed). ``tier="gpu"`` (the
+        """The blocks under ``keys`` as one tensor (promoting from disk as needed; more than a quarter of the
+        host tier is read through it in chunks). ``tier="gpu"`` (the
         default when ``out`` is a CUDA tensor and the daemon has a GPU) reads through GPU slots into a
         tensor on the GPU tier's device.
 
@@ -175,11 +176,15 @@ class Client(Connection):
             check_out(self.layout, out, len(keys), self._device(tier))
         if not keys:
             return out
-        with self.acquire(keys, tier=tier) as lease:
-            if lease.count < len(keys):
-                raise KeyMissing(f"{len(keys) - lease.count} of {len(keys)} blocks are not cached "
-                                 f"(first missing at index {lease.count})")
-            self._read(tier, lease.offsets, out)
+        # more blocks than a quarter of the host tier are read in chunks: blocks on disk stream through
+        step = len(keys) if tier != "host" else max(1, self._pool_bytes // 4 // slot_bytes(self.layout.block_bytes))
+        for lo in range(0, len(keys), step):
+            part = keys[lo:lo + step]
+            with self.acquire(part, tier=tier) as lease:
+                if lease.count < len(part):
+                    raise KeyMissing(f"block {lo + lease.count} of {len(keys)} is not cached (first missing at "
+                                     f"index {lo + lease.count})")
+                self._read(tier, lease.offsets, out[lo:lo + len(part)])
         return out
 
     def lookup(self, keys: Sequence[bytes]) -> int:
