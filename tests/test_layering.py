@@ -102,3 +102,18 @@ def test_the_cli_and_the_daemon_start_without_torch():
             "sys.exit('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr or "torch was imported"
+
+
+def test_the_package_carries_what_it_reads_at_run_time():
+    """The CUDA kernel's source and the default settings are package data (a wheel carries them): the
+    package reads nothing at run time from outside itself."""
+    import tomllib
+
+    from tierkv.client.paged.kernel import kernel_source
+    from tierkv.ops import mainjob, replay_cli
+
+    pkg = REPO / "tierkv"
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["tierkv"]
+    shipped = {p for pat in patterns for p in pkg.glob(pat)}
+    assert {pkg / "native" / "paged_kv.cu", replay_cli.DEFAULT_CONFIG, mainjob.CONFIG} <= shipped
+    assert "TKV_UNROLL" in kernel_source()

@@ -30,7 +30,7 @@ from tierkv.core.errors import ConnectionFailed
 from tierkv.daemon.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: tierkv/ops/mainjob.py -> ../..
-CONFIG = ROOT / "configs" / "default.toml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.toml"  # package data
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 120.0
 

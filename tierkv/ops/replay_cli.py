@@ -49,7 +49,7 @@ def _policy_settings(sets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     return out
 
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.toml"  # package data
 
 
 def daemon_config(path: Path | None) -> Config:

@@ -10,7 +10,7 @@ as a list of per-block tensors (slot views in a pool, not contiguous with each o
   pages (onboard).
 * On CPU both run as a few batched torch ops per layer and K/V (``index_select``,
   ``torch._foreach_copy_``) on integer views of the bytes, so every dtype is copied bit for bit.
-* On CUDA one kernel launch (``native/paged_kv.cu``) moves all blocks, layers, K and V. It is compiled at
+* On CUDA one kernel launch (``tierkv/native/paged_kv.cu``) moves all blocks, layers, K and V. It is compiled at
   run time with ``cupy.RawModule`` (NVRTC) when cupy is installed, else with
   ``torch.utils.cpp_extension.load_inline`` (needs nvcc); ``TIERKV_PAGED_BACKEND=cupy|torch`` forces one.
   It runs on ``stream`` (default: the current stream) and returns without waiting. tierkv blocks may live
@@ -49,7 +49,7 @@ EngineLayout = Literal["NHD", "HND"]
 __all__ = ["EngineLayout", "KernelPlan", "engine_layout", "gather", "kernel_backend", "kernel_plan", "kernel_source",
            "scatter"]
 
-# Rows per thread per loop trip; must match TKV_UNROLL in native/paged_kv.cu.
+# Rows per thread per loop trip; must match TKV_UNROLL in tierkv/native/paged_kv.cu.
 _UNROLL = 4
 _THREADS = 256
 _MAX_GRID_Y = 65535

@@ -14,7 +14,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class KernelPlan:
-    """Launch arguments of one gather/scatter kernel (see ``native/paged_kv.cu``).
+    """Launch arguments of one gather/scatter kernel (see ``tierkv/native/paged_kv.cu``).
 
     Addresses are plain integers: device pointers, or host pointers of pinned memory (UVA).
     """
@@ -43,15 +43,15 @@ class KernelPlan:
 
 
 def kernel_source() -> str:
-    """Text of ``native/paged_kv.cu`` (``TIERKV_NATIVE_DIR`` overrides where it is looked up)."""
+    """Text of ``tierkv/native/paged_kv.cu`` (``TIERKV_NATIVE_DIR`` overrides where it is looked up)."""
     candidates = [Path(os.environ["TIERKV_NATIVE_DIR"])] if os.environ.get("TIERKV_NATIVE_DIR") else []
     package = Path(__file__).resolve().parents[2]  # tierkv/
-    candidates += [package / "native", package.parent / "native"]
+    candidates += [package / "native"]  # package data: installed with the wheel
     for d in candidates:
         p = d / "paged_kv.cu"
         if p.is_file():
             return p.read_text()
-    raise RuntimeError(f"native/paged_kv.cu not found (looked in {[str(c) for c in candidates]})")
+    raise RuntimeError(f"paged_kv.cu not found (looked in {[str(c) for c in candidates]})")
 
 
 class _Launcher:
