@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tierkv.cache.policy import Admission, HeapPolicy, History, make_policy, policy_names
+from tierkv.cache.policy import HeapPolicy, History, make_policy, policy_names
 from tierkv.cache.policy.base import never
 
 from .helpers import FakeClock
@@ -296,26 +296,6 @@ def test_adaptive_reweighs_resident_blocks_at_the_clock_they_were_scored_at():
         assert pol.priority(k) == pytest.approx(before[k] * freq)
     with pytest.raises(ValueError):
         pol.update(adapt_step=-1)
-
-
-def test_admission_rule():
-    hist = History()
-    adm = Admission(hist)
-    assert not adm.admit("once")
-    adm.seen("twice")
-    adm.seen("twice")
-    assert adm.admit("twice")
-    assert adm.admit("shared", sharers=2)
-    assert adm.admit("pinned", pinned=True)
-    adm.update(admit_pinned=False, min_seen=3)
-    assert not adm.admit("pinned", pinned=True)
-    assert not adm.admit("twice")
-    adm.update(enabled=False)
-    assert adm.admit("anything")
-    with pytest.raises(ValueError):
-        adm.update(min_seen=0)
-    assert adm.settings()["min_seen"] == 3
-    assert adm.admitted and adm.rejected
 
 
 def test_history_is_bounded():

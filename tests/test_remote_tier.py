@@ -12,7 +12,6 @@ import redis
 import torch
 
 import tierkv
-from tierkv.cache.policy.admission import admission_for
 from tierkv.codecs import encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -95,17 +94,6 @@ def test_from_config():
         RemoteTier.from_config(RemoteConfig())
     t = RemoteTier.from_config(RemoteConfig(url="redis://u:pw@127.0.0.1:1/0", ttl_s=5, codec="int8"))
     assert t.url == "redis://u:***@127.0.0.1:1/0" and t.ttl_ms == 5000 and t.codec == "int8"
-
-
-def test_admission_modes():
-    a = admission_for("reused")
-    a.seen("x")
-    assert not a.admit("x")
-    a.seen("x")
-    assert a.admit("x") and admission_for("all").admit("y") and not admission_for("pinned").admit("y", sharers=5)
-    assert admission_for("pinned").admit("y", pinned=True)
-    with pytest.raises(ValueError):
-        admission_for("sometimes")
 
 
 def test_nothing_connects_until_used_and_a_dead_remote_is_a_miss():

@@ -139,17 +139,9 @@ class SlabAllocator:
         else:
             partial[slab.index] = None
 
-    def can_alloc(self, slot_size: int) -> bool:
-        """Whether :meth:`alloc` would succeed without eviction."""
-        return bool(self._partial.get(slot_size)) or bool(self._free_slabs)
-
     def slot_size_at(self, offset: int) -> int:
         """The slot size of the slab holding ``offset``."""
         return self._slab_of(offset).slot_size
-
-    def slab_index(self, offset: int) -> int:
-        """Which slab holds ``offset``."""
-        return offset // self.slab_bytes
 
     def fragmentation(self, live_bytes: int) -> float:
         """1 - live block bytes / bytes of slabs handed to slot classes (0 when nothing is assigned)."""

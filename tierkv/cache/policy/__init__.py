@@ -4,11 +4,10 @@
 (``lru``, ``lfu``, ``slru``, ``gdsf``, ``attention``, ``adaptive``; ``opt`` is the simulator's oracle).
 """
 
-from tierkv.cache.policy.admission import Admission
 from tierkv.cache.policy.base import HeapPolicy, Policy, Setting, make_policy, policy_class, policy_names
 from tierkv.cache.policy.history import History
 
 DEFAULT_POLICY = "attention"
 
-__all__ = ["DEFAULT_POLICY", "Admission", "HeapPolicy", "History", "Policy", "Setting", "make_policy",
+__all__ = ["DEFAULT_POLICY", "HeapPolicy", "History", "Policy", "Setting", "make_policy",
            "policy_class", "policy_names"]

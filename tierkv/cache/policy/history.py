@@ -1,6 +1,6 @@
 """What the policies remember about blocks, including ones that left every tier.
 
-One :class:`History` can be shared by the policies of all tiers and by :class:`Admission`, so a
+One :class:`History` can be shared by the policies of all tiers, so a
 block demoted from host to disk keeps its heat and depth, and a block evicted and fetched again
 is recognised (TinyLFU's idea of counting beyond the cache). It is bounded: the least recently
 seen entries are forgotten first.
