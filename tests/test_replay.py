@@ -9,6 +9,7 @@ import random
 import pytest
 from click.testing import CliRunner
 
+from tierkv.core.units import parse_size
 from tierkv.ops.replay_cli import replay as replay_cmd
 from tierkv.sim.replay import (
     ReplayConfig,
@@ -16,7 +17,6 @@ from tierkv.sim.replay import (
     TraceError,
     Workload,
     load_trace,
-    parse_bytes,
     parse_capacity,
     parse_rate,
     parse_trace,
@@ -119,8 +119,8 @@ def test_sweep_always_adds_opt_and_keeps_capacity_labels():
 
 
 def test_parsers():
-    assert parse_bytes("8GiB") == 8 << 30
-    assert parse_bytes("1.5kB") == 1500
+    assert parse_size("8GiB") == 8 << 30
+    assert parse_size("1.5kB") == 1500
     assert parse_rate("25GB/s") == 25e9
     assert parse_capacity("5%", 2000) == 100
     assert parse_capacity("2MiB", 1) == 2 << 20

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from tierkv.core.units import fmt_bytes
 from tierkv.sim.config import ReplayConfig, TierSpec
 from tierkv.sim.result import ReplayResult
 from tierkv.sim.simulator import replay
-from tierkv.sim.units import fmt_bytes
 from tierkv.sim.workload import Workload
 
 

@@ -30,10 +30,10 @@ from tierkv.cache.policy import History, make_policy, policy_class
 from tierkv.cache.policy.attention import AttentionPolicy
 from tierkv.cache.policy.placement import Placement
 from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.core.units import parse_capacity
 from tierkv.sim.config import ReplayConfig, TierSpec
 from tierkv.sim.result import ReplayResult, percentile
 from tierkv.sim.stack import TierStack
-from tierkv.sim.units import parse_capacity
 from tierkv.sim.workload import Workload, prefill_seconds
 
 
