@@ -27,7 +27,6 @@ import tierkv
 TOTAL_BYTES = 256 << 20
 BATCH_BYTES = 64 << 20
 GB = 1e9
-TARGET = 0.9
 ROWS = (("put", "put(keys, t)", "warm.copy_(t)"),
         ("get", "get(keys)", "t.clone()"),
         ("get_out", "get(keys, out=warm)", "warm.copy_(src)"))
@@ -95,7 +94,7 @@ def _measure(tmp: Path, blocks: torch.Tensor, reps: int) -> dict:
     finally:
         d.stop()
     res: dict = {"total_bytes": src.numel() * src.element_size(), "batch_bytes": BATCH_BYTES,
-                 "torch_threads": torch.get_num_threads(), "target": TARGET}
+                 "torch_threads": torch.get_num_threads()}
     nbytes = res["total_bytes"]
     for k, api_name, ref_name in ROWS:
         api = [nbytes / a / GB for a, _ in runs[k]]
@@ -107,12 +106,11 @@ def _measure(tmp: Path, blocks: torch.Tensor, reps: int) -> dict:
 
 
 def report_api(r: dict) -> None:
-    """Print the API rows: GB/s (median) of the call and its reference, and the ratio against the target."""
+    """Print the API rows: GB/s (median) of the call and its reference, and the ratio of the two."""
     print(f"\nplain API, {r['total_bytes'] >> 20} MiB in {r['batch_bytes'] >> 20} MiB batches of 2 MiB blocks, "
           f"torch threads {r['torch_threads']}; ratio: median over repetitions of (API / reference beside it)")
-    print(f"\n{'call':22} {'GB/s':>7} {'reference':18} {'GB/s':>7} {'ratio':>7} {'target':>10}")
+    print(f"\n{'call':22} {'GB/s':>7} {'reference':18} {'GB/s':>7} {'ratio':>7}")
     for k, _, _ in ROWS:
         m = r[k]
-        ok = "ok" if m["ratio"] >= r["target"] else "MISS"
         print(f"{m['api']:22} {statistics.median(m['api_gbps']):7.2f} {m['reference']:18} "
-              f"{statistics.median(m['ref_gbps']):7.2f} {m['ratio']:7.2f} {'>=' + str(r['target']) + 'x ' + ok:>10}")
+              f"{statistics.median(m['ref_gbps']):7.2f} {m['ratio']:7.2f}")

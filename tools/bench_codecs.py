@@ -270,25 +270,21 @@ def bench_dtype(kv: torch.Tensor, dtype: str, args, queries: torch.Tensor) -> di
     return {"dtype": dtype, "block_bytes": layout.block_bytes, "blocks": len(blocks), "rows": rows}
 
 
-def targets(result: dict) -> list[dict]:
-    """The issue's targets, on bf16, against plain zstd-1 measured in the same run."""
+def against_zstd1(result: dict) -> list[dict]:
+    """bf16 figures of the cold-tier codecs, and their ratios to plain zstd-1 measured in the same run."""
     rows = {r["name"]: r for r in result["rows"]}
     z1, ll, i8, i4 = rows["plain zstd-1"], rows["lossless"], rows["int8"], rows["int4"]
-    checks = [
-        ("lossless ratio", ll["ratio"], ">=", 1.3, "x"),
-        ("lossless ratio / zstd-1 ratio", ll["ratio"] / z1["ratio"], ">=", 1.1, "x"),
-        ("lossless comp speed / zstd-1", ll["comp_MBps"] / z1["comp_MBps"], ">=", 0.8, "x"),
-        ("lossless dec speed / zstd-1", ll["dec_MBps"] / z1["dec_MBps"], ">=", 1.0, "x"),
-        ("int8 ratio", i8["ratio"], ">=", 1.9, "x"),
-        ("int8 rel RMSE (max of K, V)", max(i8["rmse_k"], i8["rmse_v"]), "<=", 0.01, ""),
-        ("int4 ratio", i4["ratio"], ">=", 3.0, "x"),
-        ("int4 attention-output cosine (mean)", i4["attn_cos_mean"], ">=", 0.99, ""),
+    figures = [
+        ("lossless ratio", ll["ratio"], "x"),
+        ("lossless ratio / zstd-1 ratio", ll["ratio"] / z1["ratio"], "x"),
+        ("lossless comp speed / zstd-1", ll["comp_MBps"] / z1["comp_MBps"], "x"),
+        ("lossless dec speed / zstd-1", ll["dec_MBps"] / z1["dec_MBps"], "x"),
+        ("int8 ratio", i8["ratio"], "x"),
+        ("int8 rel RMSE (max of K, V)", max(i8["rmse_k"], i8["rmse_v"]), ""),
+        ("int4 ratio", i4["ratio"], "x"),
+        ("int4 attention-output cosine (mean)", i4["attn_cos_mean"], ""),
     ]
-    out = []
-    for name, value, op, goal, unit in checks:
-        ok = value >= goal if op == ">=" else value <= goal
-        out.append({"target": name, "value": value, "op": op, "goal": goal, "pass": bool(ok), "unit": unit})
-    return out
+    return [{"name": name, "value": value, "unit": unit} for name, value, unit in figures]
 
 
 def main() -> None:
@@ -320,14 +316,13 @@ def main() -> None:
     print(f"\nload average (1 min) before/after: {load_before[0]:.2f} / {load_after[0]:.2f} on {os.cpu_count()} CPUs"
           " (the thread-scaling columns are only meaningful on an otherwise idle machine)")
 
-    checks = []
+    summary = []
     bf = next((r for r in results if r["dtype"] == "bfloat16"), None)
     if bf is not None:
-        checks = targets(bf)
-        print("\ntargets (bf16, single thread, against plain zstd-1 in this run):")
-        for c in checks:
-            print(f"  {c['target']:40} {c['value']:8.4f}{c['unit']:1} {c['op']} {c['goal']:<5} "
-                  f"{'pass' if c['pass'] else 'MISS'}")
+        summary = against_zstd1(bf)
+        print("\nbf16, single thread, beside plain zstd-1 in this run:")
+        for f in summary:
+            print(f"  {f['name']:40} {f['value']:8.4f}{f['unit']:1}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
@@ -335,7 +330,7 @@ def main() -> None:
         "sample": str(sample), "queries": q_source, "block_tokens": args.block_tokens, "reps": args.reps,
         "threads": args.threads, "zstandard": zstandard.__version__, "torch": torch.__version__,
         "python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_before": load_before,
-        "loadavg_after": load_after, "results": results, "targets": checks,
+        "loadavg_after": load_after, "results": results, "bf16_vs_zstd1": summary,
     }, indent=2))
     print(f"\nwrote {out}")
 

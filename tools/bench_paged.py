@@ -3,8 +3,8 @@
 CPU: tierkv.client.paged.gather/scatter (engine pages <-> tierkv blocks, both engine layouts, batch and
 slot-list destinations) versus ``index_select``/``index_copy_`` of whole rows of the same size, in the
 same run. CUDA (skipped without a GPU): the one-launch kernel versus ``index_select``/``index_copy_`` on
-the device (target >= 1.0x), plus gather into pinned host slots (zero-copy) versus ``index_select`` into
-a device buffer followed by a pinned D2H copy.
+the device, plus gather into pinned host slots (zero-copy) versus ``index_select`` into a device buffer
+followed by a pinned D2H copy.
 
     python tools/bench_paged.py                 # CPU and, where present, CUDA
     python tools/bench_paged.py --skip-cpu      # the GPU part only

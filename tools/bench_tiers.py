@@ -6,8 +6,8 @@
     head dim 128, 16 tokens, bf16: 2 MiB a block);
 (c) dd oflag=direct / iflag=direct sequential write/read of the data dir's disk, once up front and
     just before and just after each disk-tier write and cold read, each run after a pause of SETTLE_S
-    (the virtual disk's speed drifts by 2x within minutes, so the targets are judged against the mean of
-    the two dd runs beside each tier run); LMDB alone with the daemon's write pattern; the
+    (the virtual disk's speed drifts by 2x within minutes, so the disk-tier rows are set against the mean
+    of the two dd runs beside each tier run); LMDB alone with the daemon's write pattern; the
     encoder and the decoder alone on 1 thread and on the pools' threads; and from their CPU costs the CPU
     ceiling of a durable write on this machine's cores;
 (d) disk-tier write (durable puts: encoded, written, fsynced) and read by a restarted daemon, warm (the
@@ -148,60 +148,53 @@ def report(r: dict) -> None:
     rows = []
     if "memcpy" in r:
         mc = r["memcpy"]["bulk"]["best"]
-        rows += [("memcpy 512 MiB (reference)", r["memcpy"]["bulk"], mc, None),
-                 ("memcpy in 2 MiB pieces", r["memcpy"]["pieces_2mib"], mc, None),
-                 ("host put (client, 256 x 2 MiB)", r["host"]["put"], mc, 0.8),
-                 ("host get (client, 256 x 2 MiB)", r["host"]["get"], mc, 0.8)]
+        rows += [("memcpy 512 MiB (reference)", r["memcpy"]["bulk"], mc),
+                 ("memcpy in 2 MiB pieces", r["memcpy"]["pieces_2mib"], mc),
+                 ("host put (client, 256 x 2 MiB)", r["host"]["put"], mc),
+                 ("host get (client, 256 x 2 MiB)", r["host"]["get"], mc)]
     if "dd" in r:
         ddw, ddr = r["dd"]["write"]["best"], r["dd"]["read"]["best"]
-        rows += [("dd oflag=direct write (reference)", r["dd"]["write"], ddw, None),
-                 ("dd iflag=direct read (reference)", r["dd"]["read"], ddr, None),
-                 ("LMDB alone: durable put+commit, raw 2 MiB", r["lmdb"]["write"], ddw, None)]
+        rows += [("dd oflag=direct write (reference)", r["dd"]["write"], ddw),
+                 ("dd iflag=direct read (reference)", r["dd"]["read"], ddr),
+                 ("LMDB alone: durable put+commit, raw 2 MiB", r["lmdb"]["write"], ddw)]
         for name, m in r.get("encoder", {}).items():
-            rows.append((name, m, ddr if name.startswith("decoder") else ddw, None))
+            rows.append((name, m, ddr if name.startswith("decoder") else ddw))
         for d in r["disk"]:
             rows.append((f"CPU ceiling, {d['codec']}: encode + LMDB on {r['cores']} cores",
-                         {"best": d["cpu_ceiling"], "median": d["cpu_ceiling"]}, ddw, None))
+                         {"best": d["cpu_ceiling"], "median": d["cpu_ceiling"]}, ddw))
         for d in r["disk"]:
-            rows += [(f"disk write durable, first fill, {d['codec']}", d["first_fill"], ddw, None),
-                     (f"  dd write beside each steady write (mean of before and after), {d['codec']}", d["dd_write"], ddw, None),
+            rows += [(f"disk write durable, first fill, {d['codec']}", d["first_fill"], ddw),
+                     (f"  dd write beside each steady write (mean of before and after), {d['codec']}", d["dd_write"], ddw),
                      (f"disk write durable, steady, {d['codec']} ({d['ratio']:.2f}x)", d["write"],
-                      d["write"]["best"] / d["write_vs_dd"], 1.0),
-                     (f"  dd write of the same KV bytes, beside it, {d['codec']}", d["dd_write_kv"], ddw, None),
+                      d["write"]["best"] / d["write_vs_dd"]),
+                     (f"  dd write of the same KV bytes, beside it, {d['codec']}", d["dd_write_kv"], ddw),
                      (f"disk write durable, steady, {d['codec']}, vs dd of the KV bytes", d["write"],
-                      d["write"]["best"] / d["write_vs_dd_kv"], 1.0),
-                     (f"  dd read beside each cold read (mean of before and after), {d['codec']}", d["dd_read"], ddr, None),
+                      d["write"]["best"] / d["write_vs_dd_kv"]),
+                     (f"  dd read beside each cold read (mean of before and after), {d['codec']}", d["dd_read"], ddr),
                      (f"  the same reads alone (O_DIRECT, {LOAD_THREADS} in flight), {d['codec']}", d["value_reads"],
-                      ddr, None),
-                     (f"  dd read of the same KV bytes, beside it, {d['codec']}", d["dd_read_kv"], ddr, None),
+                      ddr),
+                     (f"  dd read of the same KV bytes, beside it, {d['codec']}", d["dd_read_kv"], ddr),
                      (f"disk read cold (from the device), {d['codec']}", d["read_cold"],
-                      d["read_cold"]["best"] / d["read_cold_vs_dd"], 1.0),
+                      d["read_cold"]["best"] / d["read_cold_vs_dd"]),
                      (f"disk read cold (from the device), {d['codec']}, vs dd of the KV bytes", d["read_cold"],
-                      d["read_cold"]["best"] / d["read_cold_vs_dd_kv"], 1.0),
-                     (f"disk read warm (page cache), {d['codec']}", d["read_warm"], ddr, None)]
+                      d["read_cold"]["best"] / d["read_cold_vs_dd_kv"]),
+                     (f"disk read warm (page cache), {d['codec']}", d["read_warm"], ddr)]
     if rows:
-        print("\nratio: to the reference of the same run; for the targeted disk rows, the median over repetitions of"
-              "\n(tier / the dd run beside it)")
-        print(f"\n{'measure':56} {'GB/s best':>10} {'median':>8} {'ratio':>7} {'target':>8}")
-    for name, m, ref, target in rows:
-        ratio = m["best"] / ref
-        t = "" if target is None else (f">={target}x " + ("ok" if ratio >= target else "MISS"))
-        print(f"{name:56} {m['best']:10.2f} {m['median']:8.2f} {ratio:7.2f} {t:>8}")
+        print("\nratio: to the reference of the same run; for the steady disk writes and the cold disk reads, the"
+              "\nmedian over repetitions of (tier / the dd run beside it)")
+        print(f"\n{'measure':56} {'GB/s best':>10} {'median':>8} {'ratio':>7}")
+    for name, m, ref in rows:
+        print(f"{name:56} {m['best']:10.2f} {m['median']:8.2f} {m['best'] / ref:7.2f}")
     for d in r.get("disk", []):
         print(f"cold reads, {d['codec']}: {d['cold_source']}")
         print(f"warm reads, {d['codec']}: {d['warm_source']}")
     if "lookup" in r:
         print(f"\n{'lookup, 64-key batch (us)':30} {'tierkv p50':>10} {'p99':>7} {'socket p50':>10} {'p99':>7} "
-              f"{'echo p50':>9} {'p99':>7} {'python p50':>10} {'p99':>7}   target p50<=200 p99<=1000")
+              f"{'echo p50':>9} {'p99':>7} {'python p50':>10} {'p99':>7}")
         for k, v in r["lookup"].items():
-            ok = "ok" if v["p50_us"] <= 200 and v["p99_us"] <= 1000 else "MISS"
-            if ok == "MISS":
-                floor = [ref for ref in ("echo", "python") if v[ref]["p50_us"] > 200 or v[ref]["p99_us"] > 1000]
-                if floor:
-                    ok += f" ({' and '.join(floor)} miss{'es' if len(floor) == 1 else ''} too)"
             print(f"{k:30} {v['p50_us']:10.0f} {v['p99_us']:7.0f} {v['socket']['p50_us']:10.0f} "
                   f"{v['socket']['p99_us']:7.0f} {v['echo']['p50_us']:9.0f} {v['echo']['p99_us']:7.0f} "
-                  f"{v['python']['p50_us']:10.0f} {v['python']['p99_us']:7.0f}   {ok}")
+                  f"{v['python']['p50_us']:10.0f} {v['python']['p99_us']:7.0f}")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,14 @@
 """The transfer engine's promises, each beside its reference measured in the same run.
 
 (a) Stores never wait for cold tiers: with the host tier already full, ``put`` of 512 MiB against the
-    memcpy time of the same bytes (target <= 1.2x), while write-back to disk goes on behind it; the
+    memcpy time of the same bytes, while write-back to disk goes on behind it; the
     same put with write-behind off shows what waiting for the disk costs.
 (b) Prefetch hides the disk: after ``prefetch`` and a wait as long as a disk read of the same bytes
-    takes, ``get`` against a host-tier ``get`` of those blocks (target <= 1.2x).
+    takes, ``get`` against a host-tier ``get`` of those blocks.
 (c) Bandwidth budget: a compute loop in the client, alone, beside unlimited offload traffic, and beside
-    offload capped by ``budget.host_disk``; the link's measured rate against the cap (within 10%).
+    offload capped by ``budget.host_disk``; the link's measured rate against the cap.
 (d) GPU tier: on CUDA, H2D and D2H through tierkv against a plain pinned torch copy of the same bytes
-    (target >= 0.9x) and a D2D store from an engine tensor into GPU slots against a D2D copy; without
+    and a D2D store from an engine tensor into GPU slots against a D2D copy; without
     CUDA, the same paths through the CPU stand-in against memcpy (labelled stand-in).
     (The paged gather/scatter kernel against index_copy_ is tools/bench_paged.py.)
 
@@ -95,8 +95,8 @@ def bench_store(tmp: Path, blocks: torch.Tensor, write_behind: bool, reps: int) 
             c.put(keys(c, n, 2), blocks)
             for r in range(reps):
                 if write_behind:  # let the cleaner catch up, as it does between bursts
-                    goal = (2 + r) * n - 16
-                    wait_until(lambda: c.stats()["tiers"]["disk"]["blocks"] >= goal, 120)  # noqa: B023
+                    want = (2 + r) * n - 16
+                    wait_until(lambda: c.stats()["tiers"]["disk"]["blocks"] >= want, 120)  # noqa: B023
                 before = c.stats()["tiers"]
                 t = time.perf_counter()
                 np.copyto(dst, src)
@@ -304,7 +304,7 @@ def run_sections(args: argparse.Namespace, skip: set[str], base: Path, blocks: t
         b0 = wb["bursts"][0]
         print(f"(a) put 512 MiB into a full host tier, {args.reps} bursts: median {wb['ratio_median']:.2f}x, best "
               f"{wb['ratio_best']:.2f}x the paired memcpy (e.g. {b0['put_s'] * 1e3:.0f} vs {b0['memcpy_s'] * 1e3:.0f}"
-              f" ms; target <= 1.2x); write-behind off: {nowb['ratio_median']:.2f}x; disk blocks "
+              f" ms); write-behind off: {nowb['ratio_median']:.2f}x; disk blocks "
               f"{b0['disk_blocks_before']} before a burst, {b0['disk_blocks_at_return']} at its return, "
               f"{wb['disk_blocks_after']} after (write-back behind the puts)", flush=True)
     if "b" not in skip:
@@ -313,7 +313,7 @@ def run_sections(args: argparse.Namespace, skip: set[str], base: Path, blocks: t
         out["b"] = b
         print(f"(b) get 256 MiB: cold from disk {b['disk_get_s'] * 1e3:.0f} ms; after prefetch + "
               f"{b['disk_get_s'] * 1e3:.0f} ms wait {b['prefetched_get_s'] * 1e3:.0f} ms; host-tier get "
-              f"{b['host_get_s'] * 1e3:.0f} ms -> {b['ratio']:.2f}x (target <= 1.2x)", flush=True)
+              f"{b['host_get_s'] * 1e3:.0f} ms -> {b['ratio']:.2f}x", flush=True)
     if "c" not in skip:
         c = bench_budget(base, args.seconds, parse_size(args.cap))
         unl_loss = 1 - c["unlimited"] / c["alone"]

@@ -16,8 +16,8 @@ load hits all columns alike.
 
     .venv/bin/python tools/bench_ttft.py [--reps 3] [--attn sdpa|eager]
 
-Prints a table and writes ``bench-results/bench_ttft.json``. Targets: host TTFT <= 0.1x and disk TTFT
-<= 0.2x recompute at 1,024 tokens and above; attached decode speed within 5% of the plain loop.
+Prints a table and writes ``bench-results/bench_ttft.json``: TTFT of host and disk as ratios to
+recompute's, decode speed of the attached loop as a ratio to the plain loop's.
 """
 
 from __future__ import annotations
@@ -241,9 +241,6 @@ def report_ttft(rows: dict, args: argparse.Namespace) -> dict:
                "host_load_s": m["host_load"], "disk_load_s": m["disk_load"],
                "host_prefill_s": m["host_prefill"], "disk_prefill_s": m["disk_prefill"],
                "host_ratio": m["host"] / m["recompute"], "disk_ratio": m["disk"] / m["recompute"], "raw": r}
-        if p >= 1024:
-            fig["host_target_met"] = fig["host_ratio"] <= 0.1
-            fig["disk_target_met"] = fig["disk_ratio"] <= 0.2
         sizes[str(p)] = fig
         print(f"{p:>7} {m['recompute'] * 1e3:8.0f}ms {m['host'] * 1e3:7.0f}ms {fig['host_ratio']:6.3f} "
               f"{m['disk'] * 1e3:7.0f}ms {fig['disk_ratio']:6.3f}   {m['host_load'] * 1e3:4.0f} + "
@@ -260,7 +257,7 @@ def report_decode(dec: dict, prompt_tokens: int, args: argparse.Namespace) -> di
           f"{median(dec['attached_stored']):.0f} blocks stored)")
     return {"prompt_tokens": prompt_tokens, "new_tokens": args.decode_tokens,
             "plain_tokens_per_s": plain_tps, "attached_tokens_per_s": att_tps,
-            "ratio": att_tps / plain_tps, "target_met": att_tps / plain_tps >= 0.95, "raw": dec}
+            "ratio": att_tps / plain_tps, "raw": dec}
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ them all. Then the server restarts and every conversation
 sends one more turn. Then a workload with no reuse at all (a different system prompt per request).
 
 Per configuration and phase: TTFT p50/p99 (first content token, as the client sees it), requests/s,
-and prompt tokens vLLM reported as cached. Targets: warm-turn TTFT p50 with tierkv <= 0.3x of vLLM
-alone (turns 2.. and the turn after the restart); requests/s on the no-reuse workload >= 1.0x.
+and prompt tokens vLLM reported as cached; each configuration's ratios to vLLM alone in the same run:
+warm-turn TTFT p50 (turns 2.. and the turn after the restart) and requests/s on the no-reuse workload.
 
     python tools/bench_vllm.py                       # 16 conversations x 4 turns
     python tools/bench_vllm.py --conversations 4 --turns 2 --no-reuse 4   # a quick look

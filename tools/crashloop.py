@@ -10,7 +10,7 @@ the checker needs no memory of what was written.
     python tools/crashloop.py --loops 200 --large
 
 Prints a table and writes bench-results/crashloop.json. Exit status 1 if any acknowledged block was
-lost or wrong, or an unacknowledged one came back partial.
+lost or wrong, an unacknowledged one came back partial, or a tierkv entry was left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -238,9 +238,14 @@ def summary(t: Tally, d: Daemon, final: tuple[list[bytes], list[bytes]], scrub: 
         "scan_s_max": max(scans, default=0.0), "shm_leftovers": sorted(shm_after - shm_before),
         "final_sigterm_rc": rc, "seconds": round(seconds, 1),
     }
-    res["pass"] = not (t.lost or t.wrong or final[0] or final[1] or scrub["bad"] or t.corrupt_at_scan
-                       or res["shm_leftovers"])
     return res
+
+
+def broken(res: dict) -> bool:
+    """Whether the run broke an invariant: a durable block lost or wrong, a partial block found, /dev/shm
+    entries left behind."""
+    keys = ("lost", "wrong", "final_lost", "final_wrong", "scrub_bad", "dropped_as_corrupt_at_start", "shm_leftovers")
+    return any(res[k] for k in keys)
 
 
 def main() -> int:
@@ -281,7 +286,7 @@ def main() -> int:
         shutil.rmtree(d.sockdir, ignore_errors=True)
     else:
         print(f"kept {work}")
-    return 0 if res["pass"] else 1
+    return 1 if broken(res) else 0
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ bounded by its capacity), open fds, mappings, threads (/proc/PID), and leases, c
 slots and tier usage (``tierkv stats``). After the warm-up the slopes are fitted by least squares and
 printed per hour.
 
-    python tools/soak.py                                  # 10 minutes, 16 clients (the target run)
+    python tools/soak.py                                  # 10 minutes, 16 clients
     python tools/soak.py --duration 90 --clients 8        # a short run
     python tools/soak.py --socket /run/tierkv.sock        # against a running daemon
 
-Targets: 0 mismatches, RSS slope under 5 MB/h after warm-up, fds and leases flat, leases 0 when idle.
 Warm-up is ``--warmup`` of the run and lasts at least until the disk tier holds its working set (its
 block count within 2% of its peak); the slope with the fixed share alone is reported beside it.
+Exit status 1 if a get returned a wrong block (a mismatch), leases remained once the clients were
+idle, or a tierkv entry appeared in /dev/shm.
 Writes bench-results/soak.json. Run the full version on a quiet machine: on a shared one the slopes
 carry the neighbours' noise.
 """
@@ -339,9 +340,12 @@ def summarize(samples: list[dict], results: list[dict], idle: dict, t0: float, a
         "error_samples": sorted({e for r in results for e in r["error_samples"]})[:10],
         "daemon_sigterm_rc": rc,
     }
-    res["pass"] = bool(totals["mismatches"] == 0 and res["slope_rss_mb_per_h"] < 5.0 and idle["leases"] == 0
-                       and res["shm_max"] == 0)
     return res
+
+
+def broken(res: dict) -> bool:
+    """Whether the run broke an invariant: a wrong block served, leases held when idle, /dev/shm entries."""
+    return bool(res["mismatches"] or res["idle"]["leases"] or res["shm_max"])
 
 
 def main() -> int:
@@ -367,7 +371,7 @@ def main() -> int:
     Path(args.json).write_text(json.dumps({**res, "series": samples + [idle]}, indent=2) + "\n")
     print(f"\nwrote {args.json}")
     shutil.rmtree(work, ignore_errors=True)
-    return 0 if res["pass"] else 1
+    return 1 if broken(res) else 0
 
 
 if __name__ == "__main__":
