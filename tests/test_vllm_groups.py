@@ -264,3 +264,37 @@ def test_latent_pages_copy_bit_exactly():
     assert fp8.layout.dtype == "float8_e4m3fn"
     with pytest.raises(ValueError, match="does not fit"):
         VllmPages([torch.zeros(4, HEADS, BT, 2 * DIM)], DIM, dtype="float8_e4m3fn")
+
+
+def test_fp8_pages_are_kept_byte_for_byte_and_named_by_their_format(daemon_factory):
+    """An fp8 KV cache (vLLM types its pages uint8): stored as the pages hold it, through the disk tier of a
+    daemon whose codec quantizes floats (it leaves fp8 alone), and never found under the other fp8 format."""
+    d = daemon_factory(["--codec", "fp8"])
+    pages_spec = kvi.FullAttentionSpec(block_size=BT, num_kv_heads=HEADS, head_size=DIM, dtype=torch.uint8)
+    (e4m3,), _ = group_specs(config(pages_spec), cache_dtype="fp8")
+    (e5m2,), _ = group_specs(config(pages_spec), cache_dtype="fp8_e5m2")
+    g = torch.Generator().manual_seed(7)
+    src = VllmPages([torch.randint(0, 256, (8, HEADS, BT, 2 * DIM), dtype=torch.uint8, generator=g)
+                     for _ in range(2)], DIM, dtype=e4m3.layout.dtype)
+    tokens = list(range(300, 300 + 3 * BT + 1))
+    ns = Namespace("fp8-model", e4m3.layout)
+    planner = Planner.single(Link(d.socket, model="fp8-model", layout=e4m3.layout), ns, BT)
+    planner.matched_tokens(Req("a", tokens), 0)
+    planner.allocated(Req("a", tokens), [[1, 2, 3, 4]], 0)
+    stores = planner.step(Step([NewReq("a", ([1, 2, 3, 4],), 0)], Cached(), {"a": len(tokens)})).stores
+    Transfers(Link(d.socket, model="fp8-model", layout=e4m3.layout), src).store(stores)
+    d.stop()
+    d.start()  # the blocks come back from disk
+    with d.client(model="fp8-model", layout=e5m2.layout) as c:
+        assert c.lookup(c.block_keys(tokens)) == 0
+    dst = VllmPages([torch.zeros(8, HEADS, BT, 2 * DIM, dtype=torch.uint8) for _ in range(2)], DIM,
+                    dtype=e4m3.layout.dtype)
+    fresh = Planner.single(Link(d.socket, model="fp8-model", layout=e4m3.layout), ns, BT)
+    assert fresh.matched_tokens(Req("b", tokens), 0) == (3 * BT, True)  # on disk: loaded beside the step
+    fresh.allocated(Req("b", tokens), [[5, 6, 7, 0]], 3 * BT)
+    t = Transfers(Link(d.socket, model="fp8-model", layout=e4m3.layout), dst)
+    t.load(fresh.step(Step([], Cached(), {})).loads)
+    assert not t.take_load_errors()
+    assert all(torch.equal(s[b], x[b + 4]) for s, x in zip(src.caches, dst.caches) for b in (1, 2, 3))
+    with d.client(model="fp8-model", layout=e4m3.layout) as c:
+        assert c.stats()["tiers"]["disk"]["codec"] == "fp8"

@@ -228,7 +228,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._planner.queued(request)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        """Learn vLLM's null block (it stands for a sliding window's blocks the window no longer reaches)."""
+        """Learn vLLM's null block (it stands for a sliding window's blocks outside the window)."""
         null = getattr(getattr(gpu_block_pool, "null_block", None), "block_id", None)
         if self._planner is not None and isinstance(null, int):
             self._planner.null_block = null

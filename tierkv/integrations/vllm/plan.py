@@ -135,7 +135,7 @@ class Planner:
     (:func:`~tierkv.integrations.vllm.groups.find_hit`) and stored for every group or for none. With
     several groups or a sliding window every load is asynchronous: vLLM takes load failures of such
     models per request (a block id names no position in another group, and a window's recompute needs
-    the blocks before it, which vLLM no longer holds).
+    the blocks before it, which vLLM has freed).
 
     Args:
         groups: the KV cache groups, in vLLM's order.
