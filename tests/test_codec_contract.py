@@ -73,6 +73,31 @@ def test_round_trip_within_declared_bound(codec_name, dtype):
         assert _rel_rmse(a[half], b[half]) <= codec.max_rel_rmse, f"{codec_name} {'KV'[half]} error"
 
 
+def test_a_latent_block_round_trips_and_is_never_read_as_a_kv_block(codec_name):
+    """An MLA block (one latent vector per token, no V): the header names its kind; codecs that scale K and V
+    apart store it with the lossless fallback; the same bytes under the K/V layout of equal size fail."""
+    codec = get_codec(codec_name)
+    latent = Layout(4, 1, 128, 16, "bfloat16", kind="latent")
+    assert latent.block_shape == (1, 4, 1, 16, 128)
+    block = _kv_block(latent, seed=3)
+    blob = encode_block(block, layout=latent, fingerprint=_fp(latent), key=KEY, codec=codec_name)
+    h = read_header(blob)
+    assert h.layout == latent.to_dict() == {**Layout(4, 1, 128, 16, "bfloat16").to_dict(), "kind": "latent"}
+    expected = "lossless" if codec_name in ("int8", "int4") else codec_name
+    assert h.codec == expected or (expected == "lossless" and h.codec == "raw")  # raw: lossless saved too little
+    back = _decoded(blob, latent)
+    if h.lossy:
+        assert _rel_rmse(block.float().numpy(), back.float().numpy()) <= codec.max_rel_rmse
+    else:
+        assert torch.equal(back.view(torch.uint8), block.view(torch.uint8))
+    kv_same_bytes = Layout(4, 1, 64, 16, "bfloat16")  # [2, 4, 1, 16, 64]: the same byte count
+    assert kv_same_bytes.block_bytes == latent.block_bytes
+    assert Namespace("m", kv_same_bytes).fingerprint != Namespace("m", Layout(4, 1, 64, 16, "bfloat16",
+                                                                                   kind="latent")).fingerprint
+    with pytest.raises(CodecError):
+        decode_block(blob, layout=kv_same_bytes, fingerprint=_fp(latent), key=KEY)
+
+
 def test_header_names_codec_namespace_and_layout(codec_name):
     codec = get_codec(codec_name)
     layout = _layout("bfloat16")

@@ -153,6 +153,28 @@ def test_restart_persistence(daemon):
         assert torch.equal(c.get(hkeys).view(torch.int16), rand_blocks(3, seed=7).view(torch.int16))
 
 
+def test_a_latent_layout_is_its_own_namespace_through_host_disk_and_a_restart(daemon):
+    """MLA blocks (one latent vector per token, no V) beside K/V blocks of the same byte size: each kind
+    reads back its own bytes from host memory and, after a restart, from disk; neither finds the other."""
+    latent = tierkv.Layout(2, 1, 64, 16, "bfloat16", kind="latent")
+    kv = tierkv.Layout(2, 1, 32, 16, "bfloat16")
+    assert latent.block_bytes == kv.block_bytes
+    with daemon.client(layout=latent) as c, daemon.client(layout=kv) as d:
+        lkeys, kkeys = c.block_keys(list(range(64))), d.block_keys(list(range(64)))
+        assert lkeys != kkeys
+        lat, kvb = rand_blocks(4, latent, seed=11), rand_blocks(4, kv, seed=12)
+        c.put(lkeys, lat, durable=True)
+        d.put(kkeys, kvb, durable=True)
+        assert c.lookup(kkeys) == 0 and d.lookup(lkeys) == 0
+        assert torch.equal(c.get(lkeys).view(torch.int16), lat.view(torch.int16))
+    daemon.stop()
+    daemon.start()
+    with daemon.client(layout=latent) as c, daemon.client(layout=kv) as d:
+        assert c.lookup_tiers(lkeys) == ["disk"] * 4
+        assert torch.equal(c.get(lkeys).view(torch.int16), lat.view(torch.int16))
+        assert torch.equal(d.get(kkeys).view(torch.int16), kvb.view(torch.int16))
+
+
 def test_durable_survives_kill9(daemon):
     with daemon.client() as c:
         keys = keys_for(c, 5, seed=8)

@@ -76,6 +76,25 @@ def test_size_hf_config(tmp_path):
     assert "5 of 6 layers slide over 128 tokens" in human
 
 
+def test_size_mla_one_latent_per_token_and_layer(tmp_path):
+    """MLA keeps one latent (kv_lora_rank + rope dims) per token and layer, no V, the same on every TP rank."""
+    v3 = size_json("DeepSeek-V3")
+    assert v3["attention"] == "MLA" and v3["bytes_per_token"] == 61 * (512 + 64) * 2
+    assert v3["bytes_per_block"] == 16 * v3["bytes_per_token"] and v3["num_kv_heads"] == 1
+    assert size_json("DeepSeek-V3", "--tp", "8")["bytes_per_token"] == v3["bytes_per_token"]
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "num_hidden_layers": 4, "num_attention_heads": 16,
+           "hidden_size": 1024, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    d = size_json(str(tmp_path), "--seq-len", "32")
+    assert (d["attention"], d["head_dim"], d["bytes_per_token"]) == ("MLA", 576, 4 * 576 * 4)
+    assert d["bytes_per_sequence"] == 32 * d["bytes_per_token"]
+    assert size_json("--layers", "2", "--latent-dim", "576")["bytes_per_token"] == 2 * 576 * 2
+    # int8 and int4 scale K and V apart: a latent block is stored losslessly (its raw size bounds it)
+    assert size_json("DeepSeek-V3", "--codec", "int8")["stored_bytes_per_block"] >= v3["bytes_per_block"]
+    assert size_json("DeepSeek-V3", "--codec", "fp8")["stored_bytes_per_block"] < 0.55 * v3["bytes_per_block"]
+    assert "576-wide latent (no V), MLA" in tierkv("size", "DeepSeek-V3").stdout
+
+
 def test_size_as_a_command():
     r = subprocess.run([sys.executable, "-m", "tierkv", "size", "SmolLM2-135M", "--json"], capture_output=True,
                        text=True, timeout=120, cwd=REPO)

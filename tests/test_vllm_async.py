@@ -29,7 +29,7 @@ def _on_disk_only(daemon, tokens: list[int] = TOKENS, env: dict[str, str] | None
     """Store the prompt's blocks from a first request, then restart the daemon (SIGTERM flushes the host
     tier to disk), so the blocks are on disk and in no host slot. Returns the source pages."""
     src = pages(seed=11)
-    _, plan = prefill(Planner(link(daemon), NS, BT), Req("first", tokens), [0, 1, 2, 3, 4])
+    _, plan = prefill(Planner.single(link(daemon), NS, BT), Req("first", tokens), [0, 1, 2, 3, 4])
     Transfers(link(daemon), src).store(plan.stores)
     daemon.stop()
     daemon.env.update(env or {})
@@ -43,7 +43,7 @@ def _park(planner: Planner, req: Req, block_ids: list[int]) -> BlockIO:
     next step."""
     n, asynchronous = planner.matched_tokens(req, 0)
     assert n == 4 * BT and asynchronous
-    planner.allocated(req, block_ids, n)
+    planner.allocated(req, (block_ids,), n)
     (io,) = planner.step(Step([], Cached(), {})).loads
     assert io.wait_s is not None and io.block_ids == block_ids[:4]
     return io
@@ -61,7 +61,7 @@ def _done(t: Transfers, timeout: float = 30.0) -> tuple[set[str], set[int], floa
 
 def test_a_prefix_only_on_disk_loads_asynchronously_and_exactly(daemon):
     src = _on_disk_only(daemon)
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     io = _park(planner, Req("second", TOKENS), [9, 10, 11, 12, 13])
     dst = pages(seed=12)
     t = Transfers(link(daemon), dst, async_link=link(daemon))
@@ -76,7 +76,7 @@ def test_a_prefix_only_on_disk_loads_asynchronously_and_exactly(daemon):
 
 def test_a_stalled_disk_ends_the_load_within_its_bound_and_vllm_recomputes(daemon):
     _on_disk_only(daemon, env={"TIERKV_FAULTS": "read:sleep=30"})
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     io = _park(planner, Req("stalled", TOKENS), [5, 6, 7, 8, 9])
     dst = pages(seed=13)
     before = [c.clone() for c in dst.caches]
@@ -91,7 +91,7 @@ def test_a_stalled_disk_ends_the_load_within_its_bound_and_vllm_recomputes(daemo
 
 def test_a_daemon_killed_during_an_asynchronous_load_ends_it_at_once(daemon):
     _on_disk_only(daemon, env={"TIERKV_FAULTS": "read:sleep=30"})
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     io = _park(planner, Req("killed", TOKENS), [1, 2, 3, 4, 5])
     io.wait_s = 60.0  # a long bound: only the lost connection can end it early
     t = Transfers(link(daemon), pages(seed=14), async_link=link(daemon))
@@ -104,7 +104,7 @@ def test_a_daemon_killed_during_an_asynchronous_load_ends_it_at_once(daemon):
 
 def test_a_daemon_that_stops_answering_is_given_up_after_the_bound(daemon):
     _on_disk_only(daemon, env={"TIERKV_FAULTS": "read:sleep=30"})
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     io = _park(planner, Req("frozen", TOKENS), [1, 2, 3, 4, 5])
     io.wait_s = 0.5
     t = Transfers(link(daemon), pages(seed=15), async_link=link(daemon))
@@ -120,7 +120,7 @@ def test_a_daemon_that_stops_answering_is_given_up_after_the_bound(daemon):
 
 def test_requests_sharing_a_prefix_read_it_from_disk_once(daemon):
     src = _on_disk_only(daemon)
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     a = _park(planner, Req("a", TOKENS), [0, 1, 2, 3, 4])
     b = BlockIO("b", a.keys, [5, 6, 7, 8], a.wait_s)  # the same prefix, parked in the same step
     dst = pages(seed=16)
@@ -139,7 +139,7 @@ def test_requests_sharing_a_prefix_read_it_from_disk_once(daemon):
 
 def test_a_queued_request_is_prefetched_within_the_budget(daemon):
     _on_disk_only(daemon)
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     assert planner.queued(Req("queued", TOKENS)) == 4
     assert wait_for(lambda: daemon.stats()["tiers"]["host"]["blocks"] == 4, timeout=30)
     assert daemon.stats()["tiers"]["host"]["prefetches"] == 4
@@ -151,11 +151,11 @@ def test_prefetch_holds_at_most_its_share_of_the_host_tier(daemon_factory):
     d = daemon_factory(["--host-capacity", "2MiB", "--slab-bytes", "1MiB"])
     tokens = list(range(40 * BT + 1))
     src = pages(num_blocks=64, seed=17)
-    _, plan = prefill(Planner(link(d), NS, BT), Req("long", tokens), list(range(41)))
+    _, plan = prefill(Planner.single(link(d), NS, BT), Req("long", tokens), list(range(41)))
     Transfers(link(d), src).store(plan.stores)
     d.stop()
     d.start()
-    planner = Planner(link(d), NS, BT)
+    planner = Planner.single(link(d), NS, BT)
     started = planner.queued(Req("q", tokens))
     assert 0 < started <= int(0.25 * (2 << 20)) // (32 << 10)  # a quarter of the tier, 32 KiB blocks
     assert planner.queued(Req("q2", tokens)) == 0  # none used yet: the budget is spent
@@ -182,7 +182,7 @@ def test_a_store_into_a_full_host_tier_never_waits_for_the_disk_writer(daemon_fa
 def test_the_connectors_store_pass_never_waits_and_is_counted(daemon_factory):
     d = daemon_factory(["--host-capacity", "4MiB", "--slab-bytes", "1MiB"], env={"TIERKV_FAULTS": "write:sleep=2"})
     src = pages(num_blocks=128, seed=18)
-    planner = Planner(link(d), NS, BT)
+    planner = Planner.single(link(d), NS, BT)
     t = Transfers(link(d), src)
     t0 = time.monotonic()
     for r in range(12):  # 12 x 16 blocks of 32 KiB into a tier of about 120
@@ -214,7 +214,7 @@ def test_the_prefill_meter_reports_contiguous_prefill_steps_only():
 def test_an_asynchronous_load_into_cuda_pages_runs_on_a_side_stream(daemon):
     """CUDA pages: the load thread copies on its own stream and the blocks land exactly."""
     src = _on_disk_only(daemon)
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     io = _park(planner, Req("cuda", TOKENS), [2, 3, 4, 5, 6])
     dev = torch.device("cuda")
     caches = [torch.zeros(16, 2, BT, 64, device=dev) for _ in range(2)]
@@ -236,7 +236,7 @@ def test_an_asynchronous_load_into_cuda_pages_runs_on_a_side_stream(daemon):
 def test_a_request_whose_asynchronous_load_ended_short_never_waits_again(daemon):
     """vLLM asks again for a request whose load failed; it gets only what is in host memory now."""
     _on_disk_only(daemon, env={"TIERKV_FAULTS": "read:sleep=30"})
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     req = Req("short", TOKENS)
     _park(planner, req, [1, 2, 3, 4, 5])
     assert planner.matched_tokens(req, 0) == (0, False)  # still on the stalled disk: recompute
@@ -249,7 +249,7 @@ def test_stores_behind_the_step_commit_on_their_own_thread_from_slots_allocated_
     src = pages(seed=19)
     committer = StoreCommitter(link(daemon), BT)
     t = Transfers(link(daemon), src, committer=committer)
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     tokens = list(range(9000, 9000 + 4 * BT + 1))
     _, plan = prefill(planner, Req("w1", tokens), [0, 1, 2, 3, 4])
     t.store(plan.stores)
@@ -273,14 +273,14 @@ def test_stores_behind_the_step_commit_on_their_own_thread_from_slots_allocated_
 def test_a_committer_whose_daemon_restarts_drops_its_reservoir_and_goes_on(daemon):
     committer = StoreCommitter(link(daemon), BT)
     t = Transfers(link(daemon), pages(seed=21), committer=committer)
-    planner = Planner(link(daemon), NS, BT)
+    planner = Planner.single(link(daemon), NS, BT)
     _, plan = prefill(planner, Req("r1", list(range(4 * BT + 1))), [0, 1, 2, 3, 4])
     t.store(plan.stores)
     assert committer.flush()
     daemon.kill()
     daemon.start()
     committer.link._next_try = 0.0
-    _, plan = prefill(Planner(link(daemon), NS, BT), Req("r2", list(range(7, 7 + 4 * BT + 1))), [0, 1, 2, 3, 4])
+    _, plan = prefill(Planner.single(link(daemon), NS, BT), Req("r2", list(range(7, 7 + 4 * BT + 1))), [0, 1, 2, 3, 4])
     for _ in range(3):  # the first store after the restart may find the old connection broken
         t.store(plan.stores)
         committer.link._next_try = 0.0

@@ -77,7 +77,7 @@ def link(daemon) -> Link:
 def prefill(planner: Planner, req: Req, block_ids: list[int], computed: int = 0):
     n, asynchronous = planner.matched_tokens(req, computed)
     assert not asynchronous  # these prefixes are in host memory: loaded inside the step
-    planner.allocated(req, block_ids, n)
+    planner.allocated(req, (block_ids,), n)
     step = Step([NewReq(req.request_id, (block_ids,), computed + n)], Cached(),
                 {req.request_id: req.num_tokens - computed - n})
     return n, planner.step(step)
@@ -87,7 +87,7 @@ def test_a_prefill_stores_full_blocks_and_a_second_request_loads_them_identicall
     ns = Namespace("vllm-plan", LAYOUT)
     src, dst = pages(seed=1), pages(seed=2)
     tokens = list(range(1000, 1000 + 3 * BT + 5))  # 3 full blocks and a partial one
-    planner = Planner(link(daemon), ns, BT)
+    planner = Planner.single(link(daemon), ns, BT)
     n, plan = prefill(planner, Req("a", tokens), [4, 9, 2, 7])
     assert n == 0 and not plan.loads
     assert [io.block_ids for io in plan.stores] == [[4, 9, 2]]
@@ -114,12 +114,12 @@ def test_roles_a_consumer_only_loads_and_a_producer_stores_its_whole_prompt(daem
         Role.of("kv_relay")
     ns = Namespace("vllm-plan", LAYOUT)
     tokens = list(range(7000, 7000 + 3 * BT + 1))
-    producer = Planner(link(daemon), ns, BT, stores=Role.of("kv_producer").stores)
+    producer = Planner.single(link(daemon), ns, BT, stores=Role.of("kv_producer").stores)
     # vLLM's own prefix cache holds the first block: the producer stores it too
     n, plan = prefill(producer, Req("p", tokens), [3, 4, 5, 6], computed=BT)
     assert n == 0 and [io.block_ids for io in plan.stores] == [[3, 4, 5]]
     Transfers(link(daemon), pages(seed=3)).store(plan.stores)  # no committer: committed on return
-    consumer = Planner(link(daemon), ns, BT, stores=Role.of("kv_consumer").stores)
+    consumer = Planner.single(link(daemon), ns, BT, stores=Role.of("kv_consumer").stores)
     assert consumer.matched_tokens(Req("c", tokens), 0) == (3 * BT, False)
     n, plan = prefill(consumer, Req("c2", tokens + list(range(2 * BT))), [0, 1, 2, 7, 8, 9])
     assert n == 3 * BT and plan.loads and not plan.stores  # 5 full blocks, 2 new: none stored
@@ -137,14 +137,14 @@ def test_pd_across_nodes_the_consumer_finds_the_whole_prompt_when_the_producer_r
     a, b = daemon_factory(args), daemon_factory(args)
     ns = Namespace("vllm-plan", LAYOUT)
     tokens = list(range(9000, 9000 + 3 * BT + 1))
-    producer = Planner(link(a), ns, BT, stores=Role.of("kv_producer").stores)
+    producer = Planner.single(link(a), ns, BT, stores=Role.of("kv_producer").stores)
     n, plan = prefill(producer, Req("p", tokens), [3, 4, 5, 6])
     src = pages(seed=6)
     Transfers(link(a), src, remote=Role.of("kv_producer").write_through).store(plan.stores)
-    consumer = Planner(link(b), ns, BT, stores=Role.of("kv_consumer").stores)
+    consumer = Planner.single(link(b), ns, BT, stores=Role.of("kv_consumer").stores)
     req = Req("c", tokens)
     assert consumer.matched_tokens(req, 0) == (3 * BT, True)  # all of it, in the remote tier
-    consumer.allocated(req, [0, 1, 2, 7], 3 * BT)
+    consumer.allocated(req, ([0, 1, 2, 7],), 3 * BT)
     loads = consumer.step(Step([NewReq("c", ([0, 1, 2, 7],), 3 * BT)], Cached(), {"c": 1})).loads
     dst = pages(seed=7)
     t = Transfers(link(b), dst)
@@ -160,7 +160,7 @@ def test_pd_across_nodes_the_consumer_finds_the_whole_prompt_when_the_producer_r
 
 
 def test_at_least_one_token_is_left_to_compute_and_short_prompts_store_nothing(daemon):
-    planner = Planner(link(daemon), Namespace("vllm-plan", LAYOUT), BT)
+    planner = Planner.single(link(daemon), Namespace("vllm-plan", LAYOUT), BT)
     tokens = list(range(2 * BT))
     _, plan = prefill(planner, Req("full", tokens), [0, 1])
     Transfers(link(daemon), pages()).store(plan.stores)
@@ -172,7 +172,7 @@ def test_at_least_one_token_is_left_to_compute_and_short_prompts_store_nothing(d
 
 def test_cache_salt_starts_another_chain(daemon):
     ns = Namespace("vllm-plan", LAYOUT)
-    planner = Planner(link(daemon), ns, BT)
+    planner = Planner.single(link(daemon), ns, BT)
     tokens = list(range(500, 500 + 2 * BT + 1))
     _, plan = prefill(planner, Req("t1", tokens, cache_salt="alpha"), [0, 1, 2])
     Transfers(link(daemon), pages()).store(plan.stores)
@@ -183,7 +183,7 @@ def test_cache_salt_starts_another_chain(daemon):
 
 
 def test_decode_stores_each_block_as_it_fills_and_a_resumed_request_gets_new_block_ids(daemon):
-    planner = Planner(link(daemon), Namespace("vllm-plan", LAYOUT), BT)
+    planner = Planner.single(link(daemon), Namespace("vllm-plan", LAYOUT), BT)
     req = Req("d", list(range(BT + 10)))
     _, plan = prefill(planner, req, [5, 6])
     assert [io.block_ids for io in plan.stores] == [[5]] and plan.stores[0].parent is None
@@ -205,7 +205,7 @@ def test_decode_stores_each_block_as_it_fills_and_a_resumed_request_gets_new_blo
 
 def test_missing_blocks_are_load_errors_never_wrong_data(daemon):
     ns = Namespace("vllm-plan", LAYOUT)
-    planner = Planner(link(daemon), ns, BT)
+    planner = Planner.single(link(daemon), ns, BT)
     tokens = list(range(7000, 7000 + 3 * BT + 1))
     _, plan = prefill(planner, Req("m1", tokens), [0, 1, 2, 3])
     Transfers(link(daemon), pages()).store(plan.stores)
@@ -224,7 +224,7 @@ def test_missing_blocks_are_load_errors_never_wrong_data(daemon):
 def test_without_a_daemon_everything_is_a_miss_and_the_link_comes_back(daemon_factory, tmp_path):
     d = daemon_factory(start=False)
     lk = Link(d.socket, model="vllm-plan", layout=LAYOUT)
-    planner = Planner(lk, Namespace("vllm-plan", LAYOUT), BT)
+    planner = Planner.single(lk, Namespace("vllm-plan", LAYOUT), BT)
     assert planner.matched_tokens(Req("x", list(range(3 * BT))), 0) == (0, False)
     t = Transfers(lk, pages())
     _, plan = prefill(planner, Req("y", list(range(2 * BT + 1))), [0, 1, 2])

@@ -5,7 +5,7 @@ Layout (little-endian)::
     fixed part   magic "TKVB", format version, codec id, dtype id, checksum scope,
                  num_layers, num_kv_heads, head_dim, block_tokens (u32 each), raw_len (u64),
                  namespace fingerprint (16 B), checksum (xxh3_128, 16 B), params_len (u16),
-                 section count (u8), reserved (u8)
+                 section count (u8), layout kind (u8: 0 K and V, 1 latent)
     params       msgpack map of the codec's parameters (params_len bytes, may be empty)
     sections     per section: method (u8: 0 raw, 1 zstd), stored_len (u32), decoded_len (u32)
     header hash  xxh3_64 of everything above (8 B)
@@ -47,6 +47,9 @@ SCOPE_RAW = 1  # checksum over the raw block bytes
 SCOPE_SECTIONS = 2  # checksum over the decoded sections (lossy codecs: the original is not recoverable)
 _SCOPES = {SCOPE_RAW: "raw", SCOPE_SECTIONS: "sections"}
 _METHODS = {0: "raw", 1: "zstd"}
+# Ids are part of the on-disk format (the header's last fixed byte): never renumber, only append.
+KIND_IDS: dict[str, int] = {"kv": 0, "latent": 1}
+KIND_NAMES = {v: k for k, v in KIND_IDS.items()}
 
 
 _MIN_FRAME = 8  # magic, frame header descriptor, one block header
@@ -151,7 +154,8 @@ def pack_header(*, codec_id: int, layout: Layout, fingerprint: bytes, checksum: 
     """Build the header bytes (fixed part, params, section table, header hash)."""
     head = bytearray(_FIXED.pack(MAGIC, FORMAT_VERSION, codec_id, DTYPE_IDS[layout.dtype], scope,
                                  layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_tokens,
-                                 layout.block_bytes, fingerprint, checksum, len(params), len(sections), 0))
+                                 layout.block_bytes, fingerprint, checksum, len(params), len(sections),
+                                 KIND_IDS[layout.kind]))
     head += params
     for method, stored, decoded in sections:
         head += _SECTION.pack(method, stored, decoded)

@@ -16,6 +16,7 @@ from tierkv.codecs.container import (
     _SECTION,
     DTYPE_NAMES,
     FORMAT_VERSION,
+    KIND_NAMES,
     MAGIC,
     MAX_PARAMS_BYTES,
     MAX_SECTIONS,
@@ -54,12 +55,12 @@ def read_header(blob: Any) -> BlockHeader:
     if total < _FIXED.size + _HASH.size:
         raise CodecError(f"truncated block header ({total} B)")
     (magic, version, codec_id, dtype_id, scope, n_layers, n_heads, head_dim, block_tokens, raw_len,
-     fingerprint, checksum, params_len, n_sections, _reserved) = _FIXED.unpack_from(mv, 0)
+     fingerprint, checksum, params_len, n_sections, kind_id) = _FIXED.unpack_from(mv, 0)
     header_len = _check_framing(mv, magic, version, params_len, n_sections)
     codec = codec_by_id(codec_id)
     if codec is None:
         raise CodecError(f"unknown codec id {codec_id}")
-    layout = _check_layout(codec, dtype_id, scope, (n_layers, n_heads, head_dim, block_tokens), raw_len)
+    layout = _check_layout(codec, dtype_id, scope, (n_layers, n_heads, head_dim, block_tokens), raw_len, kind_id)
     off = _FIXED.size
     params = codec.check_params(layout, unpack_params(bytes(mv[off:off + params_len])))
     sections = _read_sections(mv, off + params_len, n_sections)
@@ -92,12 +93,12 @@ def _check_framing(mv: memoryview, magic: bytes, version: int, params_len: int, 
 
 
 def _check_layout(codec: Codec, dtype_id: int, scope: int, shape: tuple[int, int, int, int],
-                  raw_len: int) -> Layout:
-    """The header's layout, checked against its dtype, raw length and the codec's checksum scope."""
-    if dtype_id not in DTYPE_NAMES or scope not in _SCOPES:
-        raise CodecError("unknown dtype or checksum scope")
+                  raw_len: int, kind_id: int = 0) -> Layout:
+    """The header's layout, checked against its dtype, kind, raw length and the codec's checksum scope."""
+    if dtype_id not in DTYPE_NAMES or scope not in _SCOPES or kind_id not in KIND_NAMES:
+        raise CodecError("unknown dtype, layout kind or checksum scope")
     try:
-        layout = Layout(*shape, DTYPE_NAMES[dtype_id])
+        layout = Layout(*shape, DTYPE_NAMES[dtype_id], KIND_NAMES[kind_id])
     except ValueError as exc:
         raise CodecError(f"bad layout in header: {exc}") from None
     if raw_len != layout.block_bytes:

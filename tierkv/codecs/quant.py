@@ -1,7 +1,8 @@
 """Quantizing codecs (lossy, opt-in): ``fp8``, ``int8`` and ``int4``.
 
 All three decode to the block's own dtype and shape. They take float16, bfloat16 and float32 blocks
-with finite values; any other block is stored with ``lossless`` instead (the pipeline's fallback).
+with finite values (``int8`` and ``int4`` only K/V layouts: their key and value scales differ; ``fp8``
+latent ones too); any other block is stored with ``lossless`` instead (the pipeline's fallback).
 Their checksum covers the stored sections (codes and scales) plus namespace and key, since the original
 bytes cannot be rebuilt.
 
@@ -159,8 +160,10 @@ class _QuantCodec(Codec):
     checksum_scope = SCOPE_SECTIONS
     lossy = True
 
+    kv_only = True  # quantizes K and V apart: a latent layout is stored with the fallback codec
+
     def encode(self, raw: np.ndarray, layout: Layout, params: dict[str, Any]) -> list[tuple[Any, Policy]] | None:
-        if layout.dtype not in FLOAT_DTYPES:
+        if layout.dtype not in FLOAT_DTYPES or (self.kv_only and layout.kind != "kv"):
             return None
         x = to_float32(raw, layout)
         if not np.isfinite(x).all():
@@ -184,14 +187,16 @@ class _QuantCodec(Codec):
 
 
 class Fp8Codec(_QuantCodec):
-    """FP8 E4M3 codes with one float32 scale per (K/V, layer, head): 2x smaller than 16-bit, ~2.5% error."""
+    """FP8 E4M3 codes with one float32 scale per (K/V or latent, layer, head): 2x smaller than 16-bit, ~2.5%
+    error."""
 
     name = "fp8"
     max_rel_rmse = 0.03
     codec_id = 3
+    kv_only = False
 
     def section_sizes(self, layout: Layout, params: dict[str, Any]) -> list[int]:
-        return [2 * layout.num_layers * layout.num_kv_heads * 4, layout.block_elems]
+        return [layout.planes * layout.num_layers * layout.num_kv_heads * 4, layout.block_elems]
 
     def _quantize(self, x: np.ndarray, layout: Layout, params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         scale = (np.abs(x).max(axis=(3, 4), keepdims=True) * _F32(1 / _E4M3_MAX)).astype(np.float32)
@@ -201,7 +206,7 @@ class Fp8Codec(_QuantCodec):
 
     def _dequantize(self, meta: Any, codes: Any, layout: Layout, params: dict[str, Any]) -> np.ndarray:
         L, H = layout.num_layers, layout.num_kv_heads
-        scale = np.frombuffer(meta, dtype=np.float32).reshape(2, L, H, 1, 1)
+        scale = np.frombuffer(meta, dtype=np.float32).reshape(layout.planes, L, H, 1, 1)
         q = np.frombuffer(codes, dtype=np.uint8).reshape(layout.block_shape)
         return _E4M3_LUT[q] * scale
 

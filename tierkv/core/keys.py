@@ -1,6 +1,6 @@
 """Namespace fingerprints and chained block keys.
 
-A namespace is model id + layout + tensor-parallel rank + format version; its 16-byte fingerprint is
+A namespace is model id + layout (its kind included) + tensor-parallel rank + format version; its 16-byte fingerprint is
 part of every stored key and is written into every encoded block, so a block is never served to a
 model it does not belong to. Block keys chain over the prefix: ``key_i = H(ns, key_(i-1), tokens_i)``,
 so equal keys mean equal prefixes.
@@ -44,6 +44,8 @@ class Namespace:
         lo = self.layout
         text = (f"tierkv/ns/v{self.format_version}|{self.model}|L{lo.num_layers}|H{lo.num_kv_heads}|"
                 f"D{lo.head_dim}|T{lo.block_tokens}|{lo.dtype}|tp{self.tp_rank}/{self.tp_size}")
+        if lo.kind != "kv":
+            text += f"|{lo.kind}"
         return hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES).digest()
 
     def to_dict(self) -> dict:

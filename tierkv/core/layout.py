@@ -54,19 +54,25 @@ def numpy_view_dtype(name: str) -> np.dtype:
     return np.dtype(_NUMPY_VIEW[dtype_name(name)])
 
 
+KINDS = ("kv", "latent")
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """KV geometry of one model.
 
     A block holds K and V for ``block_tokens`` tokens of every layer, shaped
-    ``[2, num_layers, num_kv_heads, block_tokens, head_dim]``.
+    ``[2, num_layers, num_kv_heads, block_tokens, head_dim]``. A ``latent`` layout (multi-head latent
+    attention, as DeepSeek-V2/V3 cache it) holds one vector per token and layer and no V:
+    ``[1, num_layers, 1, block_tokens, head_dim]``, ``head_dim`` the latent width (e.g. 512 + 64 rope).
 
     Args:
         num_layers: transformer layers.
-        num_kv_heads: key/value heads (per tensor-parallel rank).
-        head_dim: channels per head.
+        num_kv_heads: key/value heads (per tensor-parallel rank); 1 for a latent layout.
+        head_dim: channels per head (the latent width for a latent layout).
         block_tokens: tokens per block (16 is the common page size).
         dtype: element type, as a torch dtype or name (``"bfloat16"``, ``"float16"``, ``"float32"``, ...).
+        kind: ``"kv"`` (K and V per head) or ``"latent"`` (one vector per token, no V).
     """
 
     num_layers: int
@@ -74,6 +80,7 @@ class Layout:
     head_dim: int
     block_tokens: int
     dtype: Any = "bfloat16"
+    kind: str = "kv"
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
@@ -81,6 +88,10 @@ class Layout:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Layout.{field} must be a positive int, got {value!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.kind not in KINDS:
+            raise ValueError(f"Layout.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "latent" and self.num_kv_heads != 1:
+            raise ValueError(f"a latent layout has one head, got {self.num_kv_heads}")
         if self.block_bytes > (1 << 31):
             raise ValueError(f"a block of {self.block_bytes} bytes is too large (max 2 GiB)")
 
@@ -90,14 +101,19 @@ class Layout:
         return _ITEMSIZE[self.dtype]
 
     @property
+    def planes(self) -> int:
+        """Tensors per layer: 2 (K and V) or 1 (a latent)."""
+        return 1 if self.kind == "latent" else 2
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block: ``(2, layers, kv_heads, block_tokens, head_dim)``."""
-        return (2, self.num_layers, self.num_kv_heads, self.block_tokens, self.head_dim)
+        """Shape of one block: ``(planes, layers, kv_heads, block_tokens, head_dim)``."""
+        return (self.planes, self.num_layers, self.num_kv_heads, self.block_tokens, self.head_dim)
 
     @property
     def block_elems(self) -> int:
         """Elements in one block."""
-        return 2 * self.num_layers * self.num_kv_heads * self.block_tokens * self.head_dim
+        return self.planes * self.num_layers * self.num_kv_heads * self.block_tokens * self.head_dim
 
     @property
     def block_bytes(self) -> int:
@@ -115,19 +131,22 @@ class Layout:
         return torch_dtype(self.dtype)
 
     def batch_shape(self, n: int) -> tuple[int, ...]:
-        """Shape of ``n`` blocks: ``(n, 2, layers, kv_heads, block_tokens, head_dim)``."""
+        """Shape of ``n`` blocks: ``(n, planes, layers, kv_heads, block_tokens, head_dim)``."""
         return (n, *self.block_shape)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain fields, as sent on the wire and stored in headers."""
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "block_tokens": self.block_tokens, "dtype": self.dtype}
+        """Plain fields, as sent on the wire and stored in headers (``kind`` only when not ``"kv"``)."""
+        d = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+             "block_tokens": self.block_tokens, "dtype": self.dtype}
+        if self.kind != "kv":
+            d["kind"] = self.kind
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         """Inverse of :meth:`to_dict`; raises ``ValueError`` on missing or bad fields."""
         try:
             return cls(int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"]), int(d["block_tokens"]),
-                       str(d["dtype"]))
-        except (KeyError, TypeError) as exc:
+                       str(d["dtype"]), str(d.get("kind", "kv")))
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"bad layout {d!r}: {exc}") from exc

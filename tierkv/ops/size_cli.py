@@ -12,18 +12,23 @@ from tierkv.ops.sizing import PRESETS, Footprint, ModelShape, footprint, from_hf
 
 
 def _shape(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
-           heads: int | None, dtype: str | None, window: int | None, sliding_layers: int | None) -> ModelShape:
+           heads: int | None, dtype: str | None, window: int | None, sliding_layers: int | None,
+           latent_dim: int | None = None) -> ModelShape:
     """The model from a preset, a config.json, or the geometry flags (flags override either)."""
     if model is None:
+        if latent_dim and layers:
+            kv_heads, head_dim = kv_heads or 1, head_dim or latent_dim
         if None in (layers, kv_heads, head_dim):
-            raise click.UsageError("give a MODEL (preset or config.json) or --layers, --kv-heads and --head-dim")
+            raise click.UsageError("give a MODEL (preset or config.json) or --layers, --kv-heads and --head-dim "
+                                   "(or --layers and --latent-dim)")
         base = ModelShape("custom", layers, kv_heads, head_dim)  # type: ignore[arg-type]
     elif model.endswith(".json") or Path(model).is_dir():
         base = from_hf_config(model)
     else:
         base = preset(model)
     for what, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim),
-                    ("--sliding-window", window), ("--sliding-layers", sliding_layers), ("--heads", heads)):
+                    ("--sliding-window", window), ("--sliding-layers", sliding_layers), ("--heads", heads),
+                    ("--latent-dim", latent_dim)):
         if v is not None and v < (0 if what.startswith("--sliding") else 1):
             raise click.BadParameter(f"must be > 0, got {v}", param_hint=what)
     from dataclasses import replace
@@ -33,6 +38,8 @@ def _shape(model: str | None, layers: int | None, kv_heads: int | None, head_dim
     shape = replace(base, num_layers=layers or base.num_layers, num_kv_heads=kv_heads or base.num_kv_heads,
                     head_dim=head_dim or base.head_dim, num_heads=heads or base.num_heads,
                     dtype=dtype_name(dtype) if dtype else base.dtype)
+    if latent_dim is not None:
+        shape = replace(shape, latent_dim=latent_dim)
     if window is not None:
         shape = replace(shape, sliding_window=window,
                         sliding_layers=shape.sliding_layers or (shape.num_layers if window else 0))
@@ -52,6 +59,7 @@ def _shape(model: str | None, layers: int | None, kv_heads: int | None, head_dim
 @click.option("--dtype", help="KV dtype: bfloat16, float16, float32, fp8.")
 @click.option("--sliding-window", "window", type=int, help="Sliding-window tokens (0: none).")
 @click.option("--sliding-layers", type=int, help="Layers using the window (default: all when a window is set).")
+@click.option("--latent-dim", type=int, help="MLA: cached latent width, kv_lora_rank + rope dims (no V).")
 @click.option("--block-tokens", type=int, default=16, show_default=True, help="Tokens per block.")
 @click.option("--seq-len", type=int, default=4096, show_default=True, help="Tokens per sequence.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Sequences per batch.")
@@ -60,13 +68,13 @@ def _shape(model: str | None, layers: int | None, kv_heads: int | None, head_dim
 @click.option("--socket", help="Also show what fits in each tier of the daemon on this socket.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (byte counts as integers).")
 def size(model: str | None, layers: int | None, kv_heads: int | None, heads: int | None, head_dim: int | None,
-         dtype: str | None, window: int | None, sliding_layers: int | None, block_tokens: int, seq_len: int,
-         batch: int, tp: int, codec: str, socket: str | None, as_json: bool) -> None:
+         dtype: str | None, window: int | None, sliding_layers: int | None, latent_dim: int | None,
+         block_tokens: int, seq_len: int, batch: int, tp: int, codec: str, socket: str | None, as_json: bool) -> None:
     """KV bytes per token, block, sequence and batch of MODEL: a preset (see below), a Hugging Face
     config.json (or its directory), or the geometry flags.
 
     Presets: """
-    shape = _shape(model, layers, kv_heads, head_dim, heads, dtype, window, sliding_layers)
+    shape = _shape(model, layers, kv_heads, head_dim, heads, dtype, window, sliding_layers, latent_dim)
     fp = footprint(shape, block_tokens=block_tokens, seq_len=seq_len, batch=batch, codec=codec, tp=tp)
     fit = None
     if socket is not None:
@@ -94,8 +102,10 @@ def _print(fp: Footprint, fit: dict[str, dict] | None) -> None:
     console = Console()
     window = (f", {fp.sliding_layers} of {fp.num_layers} layers slide over {fp.sliding_window} tokens"
               if fp.sliding_window else "")
-    console.print(f"[bold]{fp.model}[/]: {fp.num_layers} layers x {fp.num_kv_heads} KV heads x {fp.head_dim} "
-                  f"dims, {fp.attention}, {fp.dtype}{window}", soft_wrap=True)
+    geometry = (f"a {fp.head_dim}-wide latent (no V)" if fp.attention == "MLA"
+                else f"{fp.num_kv_heads} KV heads x {fp.head_dim} dims")
+    console.print(f"[bold]{fp.model}[/]: {fp.num_layers} layers x {geometry}, {fp.attention}, {fp.dtype}{window}",
+                  soft_wrap=True)
     t = Table(show_header=True, box=None, pad_edge=False)
     t.add_column("per", style="bold")
     t.add_column("bytes", justify="right")

@@ -1,7 +1,9 @@
 """KV-cache footprint of a model: bytes per token, block, sequence and batch (``tierkv size``).
 
 K and V of every layer are kept per token: ``2 x layers x kv_heads x head_dim x itemsize`` bytes. GQA and
-MQA shrink ``kv_heads``; a sliding-window layer keeps at most ``window`` tokens of a sequence. tierkv
+MQA shrink ``kv_heads``; a sliding-window layer keeps at most ``window`` tokens of a sequence; multi-head
+latent attention (MLA: DeepSeek-V2/V3, Kimi) keeps one latent vector per token and layer, no V:
+``layers x latent_dim x itemsize`` bytes, whatever the heads. tierkv
 stores whole blocks (every layer of ``block_tokens`` tokens), in a 4 KiB-aligned slot in memory tiers and
 encoded by the disk codec on disk.
 """
@@ -32,9 +34,13 @@ class ModelShape:
     """Tokens a sliding-window layer attends to (0: none)."""
     sliding_layers: int = 0
     """How many of the layers use the sliding window."""
+    latent_dim: int = 0
+    """MLA: the cached latent width, ``kv_lora_rank + qk_rope_head_dim`` (0: K and V per head)."""
 
     def attention(self) -> str:
-        """``MHA``, ``MQA`` or ``GQA n:1``."""
+        """``MLA``, ``MHA``, ``MQA`` or ``GQA n:1``."""
+        if self.latent_dim:
+            return "MLA"
         if self.num_kv_heads == 1:
             return "MQA"
         if not self.num_heads or self.num_heads == self.num_kv_heads:
@@ -58,6 +64,8 @@ PRESETS: dict[str, ModelShape] = {p.name.lower(): p for p in (
     _gemma3("Gemma-3-4B", 34, 8, 4, 256, 1024),
     _gemma3("Gemma-3-12B", 48, 16, 8, 256, 1024),
     _gemma3("Gemma-3-27B", 62, 32, 16, 128, 1024),
+    ModelShape("DeepSeek-V2-Lite", 27, 1, 576, 16, latent_dim=576),
+    ModelShape("DeepSeek-V3", 61, 1, 576, 128, latent_dim=576),
 )}
 ALIASES = {"gemma-3": "gemma-3-27b", "llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b"}
 
@@ -101,7 +109,11 @@ def from_hf_config(path: str | Path) -> ModelShape:
     window, sliding = _hf_window(cfg, layers)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     name = top.get("_name_or_path") or p.parent.name or (top.get("architectures") or ["model"])[0]
-    return ModelShape(str(name), layers, kv, head_dim, heads, dtype_name(dtype), window, sliding)
+    latent = int(cfg.get("kv_lora_rank") or 0)
+    if latent:  # MLA: one latent of kv_lora_rank + the rope part per token and layer
+        latent += int(cfg.get("qk_rope_head_dim") or 0)
+        kv, head_dim = 1, latent
+    return ModelShape(str(name), layers, kv, head_dim, heads, dtype_name(dtype), window, sliding, latent)
 
 
 def _hf_window(cfg: dict[str, Any], layers: int) -> tuple[int, int]:
@@ -127,6 +139,7 @@ class Footprint:
     num_kv_heads: int
     head_dim: int
     attention: str
+    """``MHA``, ``GQA n:1``, ``MQA`` or ``MLA`` (then ``head_dim`` is the latent width, one head, no V)."""
     dtype: str
     block_tokens: int
     seq_len: int
@@ -160,17 +173,15 @@ def footprint(shape: ModelShape, *, block_tokens: int = 16, seq_len: int = 4096,
     for what, v in (("block tokens", block_tokens), ("seq-len", seq_len), ("batch", batch), ("tp", tp)):
         if v <= 0:
             raise ValueError(f"{what} must be > 0")
-    if shape.num_kv_heads % tp:
-        raise ValueError(f"tp {tp} does not divide the {shape.num_kv_heads} KV heads")
-    kv = shape.num_kv_heads // tp
-    layout = Layout(shape.num_layers, kv, shape.head_dim, block_tokens, shape.dtype)
-    per_layer_token = 2 * kv * shape.head_dim * layout.itemsize
+    layout = shape_layout(shape, block_tokens, tp)
+    kv = layout.num_kv_heads
+    per_layer_token = layout.planes * kv * layout.head_dim * layout.itemsize
     full_layers = shape.num_layers - shape.sliding_layers
     kept = full_layers * seq_len + shape.sliding_layers * min(seq_len, shape.sliding_window or seq_len)
     from tierkv.tiers.host import slot_size_for
 
     return Footprint(
-        model=shape.name, num_layers=shape.num_layers, num_kv_heads=kv, head_dim=shape.head_dim,
+        model=shape.name, num_layers=shape.num_layers, num_kv_heads=kv, head_dim=layout.head_dim,
         attention=shape.attention(), dtype=layout.dtype, block_tokens=block_tokens, seq_len=seq_len, batch=batch,
         sliding_window=shape.sliding_window, sliding_layers=shape.sliding_layers,
         bytes_per_token=per_layer_token * shape.num_layers, bytes_per_block=layout.block_bytes,
@@ -178,6 +189,19 @@ def footprint(shape: ModelShape, *, block_tokens: int = 16, seq_len: int = 4096,
         bytes_per_batch=per_layer_token * kept * batch, codec=codec,
         stored_bytes_per_block=encoded_block_bytes(layout, codec),
         slot_bytes_per_block=slot_size_for(layout.block_bytes))
+
+
+def shape_layout(shape: ModelShape, block_tokens: int, tp: int = 1) -> Layout:
+    """The tierkv layout of one rank's blocks of ``shape`` (an MLA latent is the same on every rank).
+
+    Raises:
+        ValueError: ``tp`` does not divide the KV heads.
+    """
+    if shape.latent_dim:
+        return Layout(shape.num_layers, 1, shape.latent_dim, block_tokens, shape.dtype, kind="latent")
+    if shape.num_kv_heads % tp:
+        raise ValueError(f"tp {tp} does not divide the {shape.num_kv_heads} KV heads")
+    return Layout(shape.num_layers, shape.num_kv_heads // tp, shape.head_dim, block_tokens, shape.dtype)
 
 
 def encoded_block_bytes(layout: Layout, codec: str) -> int:
@@ -189,14 +213,14 @@ def encoded_block_bytes(layout: Layout, codec: str) -> int:
     """
     import numpy as np
 
-    from tierkv.codecs import available_codecs, encode_block
+    from tierkv.codecs import available_codecs, encode_block, get_codec
 
     if codec not in available_codecs():
         raise ValueError(f"unknown codec {codec!r} (known: {', '.join(available_codecs())})")
     lossy = codec not in ("raw", "lossless", "zstd")
     name = codec if lossy else "raw"
-    if lossy and layout.itemsize == 1:
-        name = "raw"  # 8-bit KV is stored as it is: the quantizers take 16- and 32-bit floats
+    if lossy and (layout.itemsize == 1 or (getattr(get_codec(codec), "kv_only", False) and layout.kind != "kv")):
+        name = "raw"  # stored losslessly: the quantizers take 16- and 32-bit floats, int8/int4 K/V blocks only
     rng = np.random.default_rng(0)
     x = rng.standard_normal(layout.block_elems, dtype=np.float32)
     import torch
@@ -217,7 +241,8 @@ def tier_fit(fp: Footprint, tiers: dict[str, dict], disk_codec: str) -> dict[str
             per_block = fp.slot_bytes_per_block
         else:
             if stored is None:
-                layout = Layout(fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.block_tokens, fp.dtype)
+                layout = Layout(fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.block_tokens, fp.dtype,
+                                kind="latent" if fp.attention == "MLA" else "kv")
                 stored = stored_size(encoded_block_bytes(layout, disk_codec))
             per_block = stored
         cap = int(d.get("capacity_bytes", 0))

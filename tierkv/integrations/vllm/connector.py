@@ -16,6 +16,12 @@ leaves (and, where the daemon has a remote tier, written through to it: a consum
 daemon shares that tier finds them); ``kv_consumer`` (a decode instance) only loads. Every role is a best-effort cache
 (``requires_kv_delivery`` is False): a block that did not arrive is recomputed.
 
+Each of vLLM's KV cache groups (full attention, sliding window, MLA) has a namespace of its own, laid
+out by its spec (:mod:`~tierkv.integrations.vllm.groups`): a block position counts as cached when every
+group that needs it holds it, a sliding-window group loads only the blocks its window reaches, and a
+model with several groups or a window loads beside the step, failing a load per request
+(:mod:`~tierkv.integrations.vllm.grouped`).
+
 The scheduler side (:class:`~tierkv.integrations.vllm.plan.Planner`) finds each request's cached
 prefix in the shared lookup index, starts promoting the disk blocks of requests as they enter the
 queue, and plans the loads and one store pass per step; the worker side
@@ -42,11 +48,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tierkv.core.keys import Namespace
-from tierkv.core.layout import Layout, dtype_name
 from tierkv.integrations.vllm.committer import StoreCommitter
+from tierkv.integrations.vllm.grouped import GroupTransfers
+from tierkv.integrations.vllm.groups import GroupSpec, group_specs, namespace_model
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages, cpu_layout_ok
-from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter, Role
+from tierkv.integrations.vllm.plan import BlockIO, PlanGroup, Planner, PrefillMeter, Role
 from tierkv.integrations.vllm.stats import TierKVConnectorStats, TierKVPromMetrics
 from tierkv.integrations.vllm.transfer import Transfers
 
@@ -68,24 +75,6 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     stores: list[BlockIO] = field(default_factory=list)
 
 
-def _layout(kv_cache_config: KVCacheConfig) -> tuple[Layout | None, str]:
-    """The tierkv layout of vLLM's KV cache, or None and why it is not supported."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return None, f"{len(groups)} KV cache groups (hybrid models are not supported)"
-    spec = groups[0].kv_cache_spec
-    heads, head = getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None)
-    if heads is None or head is None or getattr(spec, "head_size_v", head) != head:
-        return None, f"KV cache spec {type(spec).__name__} is not plain attention"
-    if getattr(spec, "sliding_window", None):
-        return None, "sliding-window attention is not supported"
-    try:
-        return Layout(len(groups[0].layer_names), int(heads), int(head), int(spec.block_size),
-                      dtype_name(spec.dtype)), ""
-    except (ValueError, TypeError) as exc:
-        return None, str(exc)
-
-
 def _model_id(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
     if extra.get("model_id"):
         return str(extra["model_id"])
@@ -97,8 +86,10 @@ def _model_id(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by a tierkv daemon (both roles: scheduler and worker).
 
-    Models with one KV cache group are served; with several (hybrid models) the connector logs that it
-    is disabled and vLLM runs as without it.
+    Each KV cache group (full attention, sliding window, MLA) is stored in a namespace of its own
+    (:mod:`~tierkv.integrations.vllm.groups`); a model with a group tierkv cannot serve (Mamba, linear
+    attention, packed or quantized-with-scales pages) leaves the connector disabled with one log line, and
+    vLLM runs as without it.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -109,52 +100,57 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             ktc.kv_load_failure_policy = "recompute"
         extra = dict(ktc.kv_connector_extra_config or {})
         self._role = Role.of(ktc.kv_role)
-        self._layout, why = _layout(kv_cache_config)
-        if self._layout is None:
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+        self._groups, why = group_specs(kv_cache_config, cache_dtype)
+        self._whole_requests = len(self._groups) > 1 or any(g.reach is not None for g in self._groups)
+        if self._whole_requests and not hasattr(KVConnectorBase_V1, "get_transfer_results"):
+            self._groups, why = [], "this vLLM cannot take a failed load per request (hybrid or sliding-window model)"
+        if not self._groups:
             log.warning("tierkv: connector disabled: %s", why)
         par = vllm_config.parallel_config
         self._tp_size = int(par.tensor_parallel_size)
         self._socket = extra.get("socket") or None
         self._model = _model_id(vllm_config, extra)
-        self._head_dim = self._layout.head_dim if self._layout else 0
+        self._models = namespace_model(self._model, self._groups)
         self._planner: Planner | None = None
         self._meter: PrefillMeter | None = None
-        self._transfers: Transfers | None = None
-        if role == KVConnectorRole.SCHEDULER and self._layout is not None:
-            link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=0, tp_size=self._tp_size)
-            ns = Namespace(self._model, self._layout, 0, self._tp_size)
-            self._planner = Planner(link, ns, self._layout.block_tokens, stores=self._role.stores)
+        self._transfers: GroupTransfers | None = None
+        if role == KVConnectorRole.SCHEDULER and self._groups:
+            self._planner = Planner([self._plan_group(i) for i in range(len(self._groups))],
+                                    self._groups[0].layout.block_tokens, stores=self._role.stores)
+            link = self._planner.link
             self._meter = PrefillMeter(lambda tokens, seconds: link.call(
                 lambda c: c.report_recompute(tokens, seconds)))
+            log.info("tierkv: serving %s", "; ".join(_describe(g, m) for g, m in zip(self._groups, self._models)))
+
+    def _plan_group(self, i: int) -> PlanGroup:
+        g, model = self._groups[i], self._models[i]
+        link = Link(self._socket, model=model, layout=g.layout, tp_rank=0, tp_size=self._tp_size, announce=i == 0)
+        return PlanGroup(link, Namespace(model, g.layout, 0, self._tp_size), g)
 
     # ---- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Map vLLM's per-layer caches; checks their layout before any block is shared."""
-        if self._layout is None:
-            return
-        names = self._kv_cache_config.kv_cache_groups[0].layer_names
-        try:
-            pages = VllmPages([kv_caches[n] for n in names], self._head_dim)
-        except (KeyError, ValueError) as exc:
-            log.warning("tierkv: connector disabled: cannot use vLLM's KV caches (%s)", exc)
-            return
-        if pages.layout != self._layout:
-            log.warning("tierkv: connector disabled: caches are %s, KV spec says %s", pages.layout, self._layout)
-            return
-        if pages.device.type == "cpu" and not _cpu_pages_ok(pages):
+        """Map vLLM's per-layer caches, group by group; checks their layout before any block is shared."""
+        if not self._groups:
             return
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
-        args = dict(model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size,
-                    announce=False)  # the scheduler side says when the daemon goes and comes back
-        # three connections: in-step loads (and a producer's stores), loads beside the step, and stores
-        # committed behind the step (their slots and commits)
-        behind = self._role.stores and not self._role.commit_in_step
-        self._transfers = Transfers(
-            Link(self._socket, **args), pages, async_link=Link(self._socket, **args),  # type: ignore[arg-type]
-            committer=StoreCommitter(Link(self._socket, **args), self._layout.block_tokens)  # type: ignore[arg-type]
-            if behind else None, remote=self._role.write_through)
+        parts = []
+        for g, model in zip(self._groups, self._models):
+            pages = _pages(g, kv_caches)
+            if pages is None:
+                return
+            args = dict(model=model, layout=g.layout, tp_rank=rank, tp_size=self._tp_size,
+                        announce=False)  # the scheduler side says when the daemon goes and comes back
+            # three connections: in-step loads (and a producer's stores), loads beside the step, and stores
+            # committed behind the step (their slots and commits)
+            behind = self._role.stores and not self._role.commit_in_step
+            parts.append(Transfers(
+                Link(self._socket, **args), pages, async_link=Link(self._socket, **args),  # type: ignore[arg-type]
+                committer=StoreCommitter(Link(self._socket, **args), g.layout.block_tokens)  # type: ignore[arg-type]
+                if behind else None, remote=self._role.write_through))
+        self._transfers = GroupTransfers(parts, self._whole_requests)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load this step's in-host blocks into vLLM's pages (all requests, all layers, one pass) and
@@ -166,10 +162,21 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous loads finished (their missing blocks are reported as load errors
-        in the same step); tierkv never holds vLLM's blocks after a request ends."""
+        in the same step); tierkv never holds vLLM's blocks after a request ends. vLLM asks
+        :meth:`get_transfer_results`, which also names the requests whose load failed."""
         if self._transfers is None:
             return None, None
         return None, self._transfers.take_done() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """As :meth:`get_finished`, plus the requests whose load failed as a whole (hybrid and sliding-window
+        models: vLLM recomputes them)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        if self._transfers is None:
+            return KVConnectorTransferResults()
+        done = self._transfers.take_done()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=self._transfers.take_failed())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in :meth:`start_load_kv`: nothing to wait for per layer."""
@@ -195,16 +202,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         """Close the connections to the daemon."""
-        for side in (self._planner, self._transfers):
-            if side is not None:
-                side.link.close()
+        if self._planner is not None:
+            for group in self._planner.groups:
+                group.link.close()
         if self._transfers is not None:
-            if self._transfers.asyncs is not None:
-                self._transfers.asyncs.link.close()
-            if self._transfers.committer is not None:
-                self._transfers.committer.flush(5.0)
-                self._transfers.committer.close()
-                self._transfers.committer.link.close()
+            self._transfers.close()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -225,10 +227,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._planner is not None:
             self._planner.queued(request)
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Learn vLLM's null block (it stands for a sliding window's blocks outside the window)."""
+        null = getattr(getattr(gpu_block_pool, "null_block", None), "block_id", None)
+        if self._planner is not None and isinstance(null, int):
+            self._planner.null_block = null
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Remember the request's blocks and plan the load of its external tokens."""
+        """Remember the request's blocks (every group's) and plan the load of its external tokens."""
         if self._planner is not None:
-            self._planner.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+            self._planner.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads and stores for the workers."""
@@ -248,7 +256,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """As :meth:`request_finished` (one group is all this connector serves)."""
+        """As :meth:`request_finished`, for a model with several KV cache groups."""
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     @classmethod
@@ -261,6 +269,31 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                            per_engine_labelvalues: dict[int, list[object]]) -> TierKVPromMetrics:
         """The connector's counters as Prometheus metrics on vLLM's own /metrics."""
         return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _describe(g: GroupSpec, model: str) -> str:
+    lo = g.layout
+    what = f"{lo.num_layers} layers of a {lo.head_dim}-wide latent" if lo.kind == "latent" else \
+        f"{lo.num_layers} layers x {lo.num_kv_heads} KV heads x {lo.head_dim}"
+    window = f", window {g.window}" if g.window else ""
+    return f"group {g.index} ({g.kind}{window}: {what}, {lo.dtype}) as {model!r}"
+
+
+def _pages(g: GroupSpec, kv_caches: dict[str, torch.Tensor]) -> VllmPages | None:
+    """Group ``g``'s pages, checked against its spec (and, on the CPU, vLLM's own cache-write kernel)."""
+    try:
+        pages = VllmPages([kv_caches[n] for n in g.layer_names], g.layout.head_dim, kind=g.layout.kind,
+                          dtype=g.layout.dtype)
+    except (KeyError, ValueError) as exc:
+        log.warning("tierkv: connector disabled: cannot use vLLM's KV caches of group %d (%s)", g.index, exc)
+        return None
+    if pages.layout != g.layout:
+        log.warning("tierkv: connector disabled: group %d's caches are %s, its KV spec says %s", g.index,
+                    pages.layout, g.layout)
+        return None
+    if pages.device.type == "cpu" and g.layout.kind == "kv" and not _cpu_pages_ok(pages):
+        return None
+    return pages
 
 
 def _cpu_pages_ok(pages: VllmPages) -> bool:

@@ -34,10 +34,10 @@ def connector_config(socket_path: str | None) -> dict[str, Any]:
 
 def serve_command(model_dir: str, port: int, kv_transfer: dict[str, Any] | None, *, name: str = "model",
                   max_model_len: int = 4096, num_blocks: int | None = None, prefix_caching: bool = True,
-                  extra: list[str] | None = None) -> list[str]:
-    """The command line of vLLM's OpenAI server on the CPU (float32, eager) for ``model_dir``."""
+                  extra: list[str] | None = None, dtype: str = "float32") -> list[str]:
+    """The command line of vLLM's OpenAI server on the CPU (float32 unless ``dtype``, eager) for ``model_dir``."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--enforce-eager", "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details"]
     if not prefix_caching:
         cmd.append("--no-enable-prefix-caching")
@@ -79,6 +79,7 @@ class VllmServer:
         num_blocks: vLLM KV blocks (overrides the size, for a deliberately small cache).
         connector: a ``--kv-transfer-config`` other than tierkv's (e.g. vLLM's ExampleConnector).
         env: extra environment.
+        dtype: the model's dtype (``--dtype``).
     """
 
     model_dir: str
@@ -92,6 +93,7 @@ class VllmServer:
     name: str = "model"
     port: int = 0
     proc: subprocess.Popen | None = None
+    dtype: str = "float32"
 
     def command(self) -> list[str]:
         """The server's command line."""
@@ -100,7 +102,7 @@ class VllmServer:
         # vLLM sizes its check of max_model_len from memory, not from the block count: leave it a block.
         max_len = 4096 if self.num_blocks is None else (self.num_blocks - 1) * BLOCK_TOKENS
         return serve_command(self.model_dir, self.port, kv, name=self.name, num_blocks=self.num_blocks,
-                             prefix_caching=self.prefix_caching, max_model_len=max_len)
+                             prefix_caching=self.prefix_caching, max_model_len=max_len, dtype=self.dtype)
 
     def start(self, wait: bool = True) -> VllmServer:
         """Start the server (on a fresh port unless one is set) and wait until it answers; a server
@@ -206,6 +208,20 @@ class VllmServer:
         return ChatReply("".join(parts), ttft if ttft is not None else total, total,
                          int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0),
                          int(usage.get("completion_tokens", 0)))
+
+    def complete(self, prompt: list[int], *, max_tokens: int = 8, logprobs: int = 1,
+                 timeout: float = 300.0) -> dict[str, Any]:
+        """A greedy completion of token ids: ``tokens`` (the generated ids), ``logprobs`` (of each, by the
+        model), ``prompt_tokens`` and ``cached_tokens`` (served from vLLM's own cache or tierkv)."""
+        body = {"model": self.name, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
+                "logprobs": logprobs, "return_tokens_as_token_ids": True}
+        reply = self.post("/v1/completions", body, timeout=timeout)
+        choice, usage = reply["choices"][0], reply.get("usage") or {}
+        lp = choice.get("logprobs") or {}
+        return {"tokens": [int(t.split(":", 1)[1]) for t in lp.get("tokens") or []],
+                "logprobs": [float(x) for x in lp.get("token_logprobs") or []],
+                "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+                "cached_tokens": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)}
 
     def tokenize(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt token ids of a chat (vLLM's ``/tokenize``)."""

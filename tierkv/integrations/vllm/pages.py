@@ -9,9 +9,11 @@ block_tokens, 2 * head_dim]``. What the last axis holds depends on the backend:
 * The CPU backend: inside a block and head, K is stored transposed (``[head_dim, block_tokens]``) and
   followed by V (``[block_tokens, head_dim]``); row ``n`` is not token ``n``. :func:`cpu_layout_ok`
   checks this against vLLM's own cache-write kernel before any block is shared.
+* MLA backends (CPU and CUDA): one latent vector per token, ``[num_blocks, block_tokens, latent]`` (or with
+  a head axis of one), token rows in order.
 
 tierkv keeps a block as ``[2, layers, kv_heads, block_tokens, head_dim]`` (K then V, heads first), the
-layout every engine integration and codec shares.
+layout every engine integration and codec shares; an MLA block as ``[1, layers, 1, block_tokens, latent]``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from tierkv.client.paged import _bits, _copy_all, gather, scatter
-from tierkv.core.layout import Layout, dtype_name
+from tierkv.core.layout import Layout, dtype_name, torch_dtype
 
 __all__ = ["VllmPages", "cpu_layout_ok"]
 
@@ -32,29 +34,42 @@ class VllmPages:
 
     Args:
         caches: the layers' cache tensors in layer order, as ``register_kv_caches`` gives them.
-        head_dim: the model's head size (the last axis holds ``2 * head_dim``).
+        head_dim: the model's head size (the last axis holds ``2 * head_dim``; an MLA latent's width).
+        kind: ``"kv"`` or ``"latent"`` (MLA: the last axis is the latent, one head).
+        dtype: the element type to name the layout by (e.g. an fp8 format held in ``uint8`` pages); it
+            must have the tensors' element size. None: the tensors' dtype.
 
     Raises:
-        ValueError: the tensors do not share one shape, dtype and device, or are not 4-D.
+        ValueError: the tensors do not share one shape, dtype and device, or have the wrong shape.
     """
 
-    def __init__(self, caches: Sequence[torch.Tensor], head_dim: int) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor], head_dim: int, kind: str = "kv", dtype: str | None = None) -> None:
         if not caches:
             raise ValueError("no KV cache tensors")
+        if kind == "latent":  # [blocks, tokens, latent] or [blocks, 1, tokens, latent]
+            caches = [c.unsqueeze(1) if c.dim() == 3 else c for c in caches]
         first = caches[0]
         for c in caches:
             if c.dim() != 4 or c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
                 raise ValueError(f"KV cache tensors must be 4-D of one shape, dtype and device, got "
                                  f"{tuple(c.shape)} {c.dtype} {c.device} beside {tuple(first.shape)}")
         nb, heads, tokens, width = (int(s) for s in first.shape)
-        if width != 2 * head_dim:
-            raise ValueError(f"last axis is {width}, expected 2 * head_dim = {2 * head_dim}")
+        planes = 1 if kind == "latent" else 2
+        if width != planes * head_dim:
+            raise ValueError(f"last axis is {width}, expected {planes} * head_dim = {planes * head_dim}")
+        if kind == "latent" and heads != 1:
+            raise ValueError(f"latent pages have one head, got {heads}")
+        name = dtype_name(dtype or first.dtype)
+        if torch_dtype(name).itemsize != first.element_size():
+            raise ValueError(f"{name} does not fit pages of {first.dtype}")
         self.caches = list(caches)
         self.device = first.device
         self.num_blocks = nb
-        self.layout = Layout(len(caches), heads, head_dim, tokens, dtype_name(first.dtype))
+        self.layout = Layout(len(caches), heads, head_dim, tokens, name, kind=kind)
         self._cpu = self.device.type == "cpu"
-        if self._cpu:
+        if kind == "latent":
+            self._k, self._v = list(self.caches), []
+        elif self._cpu:
             self._k, self._v = self._cpu_views()
         else:
             self._k = [c[..., :head_dim] for c in self.caches]
@@ -86,6 +101,9 @@ class VllmPages:
             raise ValueError(f"{len(out)} destination blocks for {len(ids)} block ids")
         if not ids:
             return
+        if not self._v:
+            self._copy_latent(ids, out, gather=True)
+            return
         if not self._cpu:
             direct = all(b.device == self.device or b.is_pinned() for b in out)
             stage = list(out) if direct else [torch.empty_like(b, device=self.device) for b in out]
@@ -108,6 +126,9 @@ class VllmPages:
             raise ValueError("block ids repeat: two blocks cannot go into one vLLM block")
         if not ids:
             return
+        if not self._v:
+            self._copy_latent(ids, blocks, gather=False)
+            return
         if not self._cpu:
             direct = all(b.device == self.device or b.is_pinned() for b in blocks)
             src = list(blocks) if direct else [b.to(self.device) for b in blocks]
@@ -118,6 +139,27 @@ class VllmPages:
             k, v = self._k[layer], self._v[layer]
             _copy_all([k[b] for b in ids], [s[0, layer].transpose(-1, -2) for s in src])
             _copy_all([v[b] for b in ids], [s[1, layer] for s in src])
+
+    def _copy_latent(self, ids: list[int], blocks: Sequence[torch.Tensor], gather: bool) -> None:
+        """Latent pages: token rows in order, one page per layer and block (batched copies; on a GPU each
+        block goes through one staging copy per direction when the block is in host memory)."""
+        staged = [b if b.device == self.device else torch.empty_like(b, device=self.device) for b in blocks]
+        if not gather:
+            for s, b in zip(staged, blocks):
+                if s is not b:
+                    s.copy_(b)
+        views = [_bits(b) for b in staged]
+        for layer, cache in enumerate(self._k):
+            pages = [_bits(cache)[b] for b in ids]
+            mine = [v[0, layer] for v in views]
+            if gather:
+                _copy_all(mine, pages)
+            else:
+                _copy_all(pages, mine)
+        if gather:
+            for s, b in zip(staged, blocks):
+                if s is not b:
+                    b.copy_(s)
 
     def synchronize(self) -> None:
         """Wait for queued device copies (a no-op on CPU)."""

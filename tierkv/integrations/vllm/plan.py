@@ -17,8 +17,7 @@ from the daemon's shared lookup index, so the scheduling hot path makes no round
 from __future__ import annotations
 
 import hashlib
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +25,11 @@ import numpy as np
 
 from tierkv.core.errors import TierKVError
 from tierkv.core.keys import KEY_BYTES, Namespace, chain_keys
+from tierkv.integrations.vllm.groups import GroupSpec, find_hit
 from tierkv.integrations.vllm.link import Link
+from tierkv.integrations.vllm.meter import PrefillMeter
 
-__all__ = ["BlockIO", "Planner", "PrefillMeter", "StepPlan", "salt_root"]
+__all__ = ["BlockIO", "PlanGroup", "Planner", "PrefillMeter", "StepPlan", "salt_root"]
 
 ASYNC_WAIT_MIN_S = 0.5   # the least an asynchronous load may take (a disk read of a few blocks)
 ASYNC_WAIT_MAX_S = 30.0  # the most, whatever the cost model says
@@ -45,12 +46,15 @@ def salt_root(fingerprint: bytes, salt: str | None) -> bytes | None:
 
 @dataclass(slots=True)
 class BlockIO:
-    """Blocks of one request to move between tierkv (``keys``) and vLLM (``block_ids``).
+    """Blocks of one request and one KV cache group to move between tierkv (``keys``) and vLLM
+    (``block_ids``).
 
     ``wait_s`` marks an asynchronous load: the most seconds it may take before what arrived is used and
     the rest recomputed (None: a load inside the step, or a store). ``parent``: the key ``keys[0]``
     continues in its request's chain (None: the chain's first block). ``tokens``: a store's token ids
-    (int32 bytes, ``block_tokens`` per key), for the daemon's KV events."""
+    (int32 bytes, ``block_tokens`` per key), for the daemon's KV events. ``group``: the KV cache group.
+    ``lead``: blocks of the load before ``keys[0]`` that the group never reads (outside its sliding
+    window: vLLM's null block stands there), served without being moved."""
 
     req_id: str
     keys: list[bytes]
@@ -58,6 +62,8 @@ class BlockIO:
     wait_s: float | None = None
     parent: bytes | None = None
     tokens: bytes | None = None
+    group: int = 0
+    lead: int = 0
 
 
 @dataclass(slots=True)
@@ -71,13 +77,13 @@ class StepPlan:
 @dataclass(slots=True)
 class _Request:
     request: Any
-    root: bytes | None
-    keys: list[bytes] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    roots: list[bytes | None]
+    keys: list[list[bytes]]       # per group
+    block_ids: list[list[int]]    # per group
     cached_blocks: int = 0        # leading blocks known to be in tierkv
     stored_blocks: int = 0        # leading blocks stored or found in tierkv
     load_from: int = 0            # first block of a pending load
-    load: BlockIO | None = None
+    load: list[BlockIO] | None = None  # a pending load, one per group
     wait_s: float | None = None   # the pending load is asynchronous, bounded by this
     waited: bool = False          # an asynchronous load was sent: the request never waits twice
 
@@ -112,107 +118,189 @@ class Role:
         raise ValueError(f"kv_role must be kv_both, kv_producer or kv_consumer, got {kv_role!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class PlanGroup:
+    """One KV cache group as the scheduler side sees it: the connection to its namespace, the namespace,
+    and its spec (None: full attention)."""
+
+    link: Link
+    namespace: Namespace
+    spec: GroupSpec | None = None
+
+
 class Planner:
     """Per-request bookkeeping of the scheduler-side connector.
 
+    With several KV cache groups a block position is loaded only when every group can serve it
+    (:func:`~tierkv.integrations.vllm.groups.find_hit`) and stored for every group or for none. With
+    several groups or a sliding window every load is asynchronous: vLLM takes load failures of such
+    models per request (a block id names no position in another group, and a window's recompute needs
+    the blocks before it, which vLLM has freed).
+
     Args:
-        link: the connection to the daemon.
-        namespace: the namespace of the blocks (its fingerprint seeds every key).
+        groups: the KV cache groups, in vLLM's order.
         block_tokens: vLLM's block size, also tierkv's block size.
         stores: plan stores (False for a ``kv_consumer``, which only loads).
+        null_block: vLLM's null block id (a sliding-window group's blocks outside the window).
     """
 
-    def __init__(self, link: Link, namespace: Namespace, block_tokens: int, stores: bool = True) -> None:
-        self.link = link
+    def __init__(self, groups: Sequence[PlanGroup], block_tokens: int, stores: bool = True,
+                 null_block: int = 0) -> None:
+        if not groups:
+            raise ValueError("a planner needs at least one KV cache group")
+        self.groups = list(groups)
+        self.link = self.groups[0].link
         self.stores = stores
-        self.fingerprint = namespace.fingerprint
+        self.fingerprint = self.groups[0].namespace.fingerprint
         self.block_tokens = block_tokens
+        self.null_block = null_block
+        self._specs = [g.spec or GroupSpec(i, "full", g.namespace.layout, ()) for i, g in enumerate(self.groups)]
+        self._windowed = any(s.reach is not None for s in self._specs)
+        self.whole_requests = len(self.groups) > 1 or self._windowed  # loads fail per request, never per block
         self._reqs: dict[str, _Request] = {}
         self._parked: list[BlockIO] = []  # asynchronous loads of requests vLLM does not schedule yet
+
+    @classmethod
+    def single(cls, link: Link, namespace: Namespace, block_tokens: int, stores: bool = True) -> Planner:
+        """A planner for a model with one full-attention KV cache group."""
+        return cls([PlanGroup(link, namespace)], block_tokens, stores)
 
     def _state(self, request: Any) -> _Request:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = _Request(request, salt_root(self.fingerprint, getattr(request, "cache_salt", None)))
+            salt = getattr(request, "cache_salt", None)
+            n = len(self.groups)
+            st = _Request(request, [salt_root(g.namespace.fingerprint, salt) for g in self.groups],
+                          [[] for _ in range(n)], [[] for _ in range(n)])
             self._reqs[request.request_id] = st
         return st
 
-    def _keys(self, st: _Request, n_blocks: int) -> list[bytes]:
-        """The first ``n_blocks`` chained keys of the request's tokens (extended as tokens arrive)."""
-        have = len(st.keys)
+    def _keys(self, st: _Request, n_blocks: int) -> list[list[bytes]]:
+        """Per group, the first ``n_blocks`` chained keys of the request's tokens (extended as tokens arrive)."""
+        have = len(st.keys[0])
         if n_blocks > have:
             bt = self.block_tokens
-            tokens = st.request.all_token_ids[have * bt:n_blocks * bt]
-            st.keys.extend(chain_keys(self.fingerprint, list(tokens), bt, st.keys[-1] if st.keys else st.root))
-        return st.keys[:n_blocks]
+            tokens = list(st.request.all_token_ids[have * bt:n_blocks * bt])
+            for g, keys in enumerate(st.keys):
+                fp = self.groups[g].namespace.fingerprint
+                keys.extend(chain_keys(fp, tokens, bt, keys[-1] if keys else st.roots[g]))
+        return [keys[:n_blocks] for keys in st.keys]
+
+    def _ask(self, g: int, fn: Callable[[Any], Any]) -> Any:
+        """``fn(client)`` on group ``g``'s connection; None when the daemon cannot answer (a failed
+        connection is dropped and made again later)."""
+        link = self.groups[g].link
+        try:
+            return link.call(fn)
+        except TierKVError as exc:
+            link.drop(exc)
+            return None
+
+    def _hit(self, keys: list[list[bytes]], first: int, limit: int) -> int:
+        """Leading blocks every group can serve (see :func:`find_hit`); a group the daemon does not answer
+        for serves none."""
+        def lookup(g: int) -> Callable[[int, int], int]:
+            return lambda lo, hi: int(self._ask(g, lambda c: c.lookup(keys[g][lo:hi])) or 0)
+        return find_hit(self._specs, [lookup(g) for g in range(len(self.groups))], first, limit)
+
+    def _start(self, g: int, first: int, n: int) -> int:
+        """The first block of a hit of ``n`` blocks that group ``g`` needs from tierkv: 0 for full
+        attention (its prefix is looked up whole), ``first`` or later in a sliding window."""
+        spec = self._specs[g]
+        return 0 if spec.reach is None else max(first, spec.first_needed(n))
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` that tierkv can load (whole blocks; at least one token
         of the request is always left to compute), and whether the load is asynchronous (part of the
-        prefix is not in host memory: the daemon starts bringing it up now)."""
+        prefix is not in host memory, or the model has several KV cache groups)."""
         st = self._state(request)
         st.load, st.wait_s = None, None
         bt = self.block_tokens
         if num_computed_tokens % bt:
             return 0, False
-        keys = self._keys(st, (request.num_tokens - 1) // bt)
-        if not keys:
+        limit = (request.num_tokens - 1) // bt
+        keys = self._keys(st, limit)
+        if not limit:
             return 0, False
         first = num_computed_tokens // bt
-        try:
-            hit = self.link.call(lambda c: c.lookup(keys)) or 0
-            plan = self.link.call(lambda c: c.lookup_plan(keys[:hit])) if hit > first else None
-        except TierKVError as exc:
-            self.link.drop(exc)
-            return 0, False
+        hit = self._hit(keys, first, limit)
+        if hit <= first and self._windowed:  # nothing to load: what tierkv holds from the start
+            hit = self._hit(keys, 0, limit)
         st.cached_blocks = max(st.cached_blocks, hit)
-        if plan is None:
-            return 0, False
-        local = int(plan["count"])
-        # the cost model weighs the local tiers; a prefix that goes on in the remote tier loads whole
-        n = min(int(plan["fetch"]), hit) if int(plan["fetch"]) < local else hit
+        n = self._plan_load(st, keys, first, hit) if hit > first else 0
         if n <= first:
+            st.wait_s = None
             return 0, False
         st.load_from = first
-        ready = list(plan["ready"]) + [False] * (n - local)  # remote blocks are never ready
-        if st.waited:  # its asynchronous load ended short: load what is in host memory now, if any
-            n = next((i for i in range(first, n) if not ready[i]), n)
-            if n <= first:
-                return 0, False
-        elif not all(ready[first:n]):
-            st.wait_s = _wait_bound(plan, n)
-            try:
-                self.link.call(lambda c: c.prefetch(keys[:n]))
-            except TierKVError as exc:
-                self.link.drop(exc)
-                return 0, False
         return n * bt - num_computed_tokens, st.wait_s is not None
+
+    def _plan_load(self, st: _Request, keys: list[list[bytes]], first: int, hit: int) -> int:
+        """How many leading blocks to load (``first`` or less: none), and whether asynchronously (sets
+        ``st.wait_s``; the daemon starts promoting what is not in host memory)."""
+        starts = [self._start(g, first, hit) for g in range(len(self.groups))]
+        plans = [self._ask(g, lambda c, g=g: c.lookup_plan(keys[g][starts[g]:hit])) for g in range(len(self.groups))]
+        if any(p is None for p in plans):
+            return 0
+        if self.whole_requests:
+            if st.waited:  # its asynchronous load ended short: vLLM recomputes
+                return 0
+            n = hit
+            ready = all(int(p["count"]) >= n - s and all(p["ready"][max(s, first) - s:n - s])
+                        for s, p in zip(starts, plans))
+        else:
+            plan, local = plans[0], int(plans[0]["count"])
+            # the cost model weighs the local tiers; a prefix that goes on in the remote tier loads whole
+            n = min(int(plan["fetch"]), hit) if int(plan["fetch"]) < local else hit
+            if n <= first:
+                return 0
+            flags = list(plan["ready"]) + [False] * (n - local)  # remote blocks are never ready
+            if st.waited:  # its asynchronous load ended short: load what is in host memory now, if any
+                return next((i for i in range(first, n) if not flags[i]), n)
+            ready = all(flags[first:n])
+        if not ready or self.whole_requests:
+            # recomputing the load's blocks: a prefix from block 0, a window's from ``first``
+            st.wait_s = _wait_bound(plans[0], n if starts[0] == 0 else n - first)
+            for g in range(len(self.groups)):
+                if self._ask(g, lambda c, g=g: c.prefetch(keys[g][max(starts[g], first):n])) is None:
+                    return 0
+        return n
 
     def queued(self, request: Any) -> int:
         """A request entered vLLM's queue: start promoting its cached prefix's disk blocks into host
         memory now (the daemon bounds what prefetches may hold); returns loads started."""
         st = self._state(request)
-        keys = self._keys(st, (request.num_tokens - 1) // self.block_tokens)
-        if not keys:
-            return 0
-        try:
-            hit = self.link.call(lambda c: c.lookup(keys)) or 0
-            return (self.link.call(lambda c: c.prefetch(keys[:hit])) or 0) if hit else 0
-        except TierKVError as exc:
-            self.link.drop(exc)
-            return 0
+        limit = (request.num_tokens - 1) // self.block_tokens
+        keys = self._keys(st, limit)
+        hit = self._hit(keys, 0, limit) if limit else 0
+        return sum(int(self._ask(g, lambda c, g=g: c.prefetch(keys[g][self._start(g, 0, hit):hit])) or 0)
+                   for g in range(len(self.groups))) if hit else 0
 
-    def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM gave the request ``block_ids`` (all of its blocks); plan the load of the external tokens."""
+    def allocated(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """vLLM gave the request ``block_ids`` (all of its blocks, one list per group); plan the load of the
+        external tokens."""
         st = self._state(request)
-        st.block_ids = list(block_ids)
+        st.block_ids = [list(ids) for ids in block_ids]
         if num_external_tokens <= 0:
             return
-        first, n = st.load_from, num_external_tokens // self.block_tokens
-        st.load = BlockIO(request.request_id, st.keys[first:first + n], st.block_ids[first:first + n], st.wait_s)
+        first = st.load_from
+        n = first + num_external_tokens // self.block_tokens
+        st.load = [self._load_io(st, g, first, n) for g in range(len(self.groups))]
         if st.wait_s is not None:  # vLLM parks the request: the load goes out with the next step
-            self._parked.append(st.load)
+            self._parked.extend(st.load)
             st.load, st.waited = None, True
+
+    def _load_io(self, st: _Request, g: int, first: int, n: int) -> BlockIO:
+        """Group ``g``'s part of a load of blocks ``first .. n - 1``: the blocks vLLM gave it a page for
+        (a sliding-window group's trailing run; its null block stands before)."""
+        ids = st.block_ids[g]
+        n = min(n, len(ids))
+        lo = min(max(first, self._specs[g].first_needed(n)), n)
+        if self._specs[g].reach is not None:  # only a sliding window's blocks may be the null block
+            while lo > first and ids[lo - 1] != self.null_block:
+                lo -= 1  # vLLM kept a block the window formula does not need: load it too
+            while lo < n and ids[lo] == self.null_block:
+                lo += 1
+        return BlockIO(st.request.request_id, st.keys[g][lo:n], ids[lo:n], st.wait_s, group=g, lead=lo - first)
 
     def step(self, scheduler_output: Any) -> StepPlan:
         """The loads and stores of one scheduled step."""
@@ -222,7 +310,7 @@ class Planner:
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
+                st.block_ids = [list(ids) for ids in new.block_ids]
                 self._plan_request(st, new.num_computed_tokens + counts.get(new.req_id, 0), plan)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -231,41 +319,55 @@ class Planner:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+                st.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else \
+                    [[] for _ in self.groups]
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                for have, more in zip(st.block_ids, new_ids):
+                    have.extend(more)
             self._plan_request(st, cached.num_computed_tokens[i] + counts.get(req_id, 0), plan)
         return plan
 
     def _plan_request(self, st: _Request, tokens_after_step: int, plan: StepPlan) -> None:
         if st.load is not None:
-            plan.loads.append(st.load)
+            plan.loads.extend(st.load)
             st.load = None
         st.stored_blocks = max(st.stored_blocks, st.cached_blocks)
         full = min(tokens_after_step, st.request.num_tokens) // self.block_tokens
-        full = min(full, len(st.block_ids))
-        if full > st.stored_blocks and self.stores:
+        full = min([full] + [len(ids) for ids in st.block_ids])
+        lo = st.stored_blocks
+        # a position is stored for every group or none: not where a group has no page (outside its window)
+        while lo < full and any(ids[lo] == self.null_block for ids in self._windowed_ids(st)):
+            lo += 1
+        if full > lo and self.stores:
             keys = self._keys(st, full)
-            lo = st.stored_blocks
-            ids = st.request.all_token_ids[lo * self.block_tokens:full * self.block_tokens]
-            plan.stores.append(BlockIO(st.request.request_id, keys[lo:full], st.block_ids[lo:full],
-                                       parent=keys[lo - 1] if lo else st.root,
-                                       tokens=np.asarray(ids, dtype="<i4").tobytes()))
+            bt = self.block_tokens
+            tokens = np.asarray(st.request.all_token_ids[lo * bt:full * bt], dtype="<i4").tobytes()
+            for g, gkeys in enumerate(keys):
+                plan.stores.append(BlockIO(st.request.request_id, gkeys[lo:full], st.block_ids[g][lo:full],
+                                           parent=gkeys[lo - 1] if lo else st.roots[g], tokens=tokens, group=g))
             st.stored_blocks = full
+
+    def _windowed_ids(self, st: _Request) -> list[list[int]]:
+        """The block ids of the request's sliding-window groups (the only ones with null blocks)."""
+        return [ids for ids, spec in zip(st.block_ids, self._specs) if spec.reach is not None]
 
     def finished(self, request: Any) -> list[bytes]:
         """Forget a finished request and tell the daemon its blocks are a conversation tail that a next
-        turn may extend, with how many tokens it generated; returns the keys of its stored blocks."""
+        turn may extend, with how many tokens it generated; returns the keys of its stored blocks (the
+        first group's)."""
         st = self._reqs.pop(request.request_id, None)
-        keys = [] if st is None else st.keys[:st.stored_blocks]
         out = getattr(request, "num_output_tokens", None)
         out = out if isinstance(out, int) and not isinstance(out, bool) and out >= 0 else None
-        if keys:
-            try:
-                self.link.call(lambda c: c.request_finished(keys, out))
-            except TierKVError:  # a hint (an older daemon may not know it): losing it costs no request
-                pass
-        return keys
+        if st is None:
+            return []
+        for g, group in enumerate(self.groups):
+            keys = st.keys[g][:st.stored_blocks]
+            if keys:
+                try:
+                    group.link.call(lambda c, keys=keys: c.request_finished(keys, out))
+                except TierKVError:  # a hint (an older daemon may not know it): losing it costs no request
+                    pass
+        return st.keys[0][:st.stored_blocks]
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -287,37 +389,3 @@ def _wait_bound(plan: dict[str, Any], n: int) -> float:
         counted += take
     recompute += per_block * max(0, n - counted)
     return min(ASYNC_WAIT_MAX_S, max(ASYNC_WAIT_MIN_S, recompute))
-
-
-class PrefillMeter:
-    """The engine's prefill speed, seen from the scheduler: tokens of each step over the time to the next
-    step, for steps whose requests carry on into the next (no idle gap), reported to the daemon's cost
-    model every ``every_s`` seconds.
-
-    Args:
-        report: called with (tokens, seconds) summed since the last report.
-        min_tokens: steps with fewer scheduled tokens (decode steps) are left out.
-        every_s: seconds between reports.
-        clock: time source.
-    """
-
-    def __init__(self, report: Callable[[int, float], object], min_tokens: int = 256, every_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.report, self.min_tokens, self.every_s, self.clock = report, min_tokens, every_s, clock
-        self._last: tuple[float, int, set[str]] | None = None
-        self._tokens, self._seconds = 0, 0.0
-        self._next = clock() + every_s
-
-    def step(self, scheduled: dict[str, int]) -> None:
-        """One step was scheduled with ``scheduled`` tokens per request id."""
-        now = self.clock()
-        last = self._last
-        if last is not None and last[1] >= self.min_tokens and last[2] & scheduled.keys():
-            self._tokens += last[1]
-            self._seconds += now - last[0]
-        self._last = (now, sum(scheduled.values()), set(scheduled))
-        if now >= self._next and self._tokens and self._seconds > 0:
-            tokens, seconds = self._tokens, self._seconds
-            self._tokens, self._seconds = 0, 0.0
-            self._next = now + self.every_s
-            self.report(tokens, seconds)

@@ -27,6 +27,9 @@ _PROM = {
     "async_loads": ("vllm:tierkv_async_loads", "Requests whose prefix loaded beside the forward pass."),
     "async_hit_tokens": ("vllm:tierkv_async_hit_tokens", "Prompt tokens served by asynchronous loads."),
     "async_wait_s": ("vllm:tierkv_async_wait_seconds", "Seconds asynchronous loads took, summed."),
+    "load_bytes": ("vllm:tierkv_load_bytes", "Bytes copied from tierkv into vLLM's pages."),
+    "window_saved_bytes": ("vllm:tierkv_window_saved_bytes",
+                           "Bytes of served blocks outside a sliding window: never moved."),
 }
 
 
@@ -58,7 +61,9 @@ class TierKVConnectorStats(KVConnectorStats):
                 "stored_tokens": c.stored_tokens, "load_ms": round(c.load_s * 1e3, 1),
                 "store_ms": round(c.store_s * 1e3, 1), "store_ms_per_step": round(per_step * 1e3, 2),
                 "store_max_ms": round(c.store_max_s * 1e3, 1), "load_errors": c.load_errors,
-                "store_errors": c.store_errors, "store_skipped": c.store_skipped}
+                "store_errors": c.store_errors, "store_skipped": c.store_skipped,
+                "load_mib": round(c.load_bytes / (1 << 20), 1),
+                "window_saved_mib": round(c.window_saved_bytes / (1 << 20), 1)}
 
     def is_empty(self) -> bool:
         """Nothing happened in the interval."""

@@ -15,18 +15,17 @@ never waits for room: a host tier with no block to spare skips the store and cou
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
 
 import numpy as np
 import torch
 
 from tierkv.client.client import Client
-from tierkv.core.errors import TierFull, TierKVError
+from tierkv.client.slots import Slots
+from tierkv.core.errors import ConnectionFailed, TierFull, TierKVError
+from tierkv.integrations.vllm.asyncload import AsyncLoads, Outcome
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages
@@ -34,7 +33,7 @@ from tierkv.integrations.vllm.plan import BlockIO
 
 log = logging.getLogger("vllm.tierkv")
 
-__all__ = ["AsyncLoads", "Counters", "Transfers"]
+__all__ = ["AsyncLoads", "Counters", "Staged", "Transfers"]
 
 WARN_EVERY_S = 60.0  # a failing store or load is logged at most this often (the counters count each)
 
@@ -56,6 +55,8 @@ class Counters:
     async_loads: int = 0         # requests loaded beside the forward pass
     async_hit_tokens: int = 0    # of ``hit_tokens``, served by asynchronous loads
     async_wait_s: float = 0.0    # their summed time from submission to done
+    load_bytes: int = 0          # bytes copied from tierkv into vLLM's pages
+    window_saved_bytes: int = 0  # bytes of served blocks a sliding window never reads: not moved at all
 
     def as_dict(self) -> dict[str, float]:
         """The counters as a plain dict."""
@@ -66,6 +67,18 @@ class Counters:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), other.get(f.name, 0)
             setattr(self, f.name, max(mine, theirs) if f.name.endswith("_max_s") else mine + theirs)
+
+
+@dataclass(slots=True)
+class Staged:
+    """A store gathered into slots and not committed yet."""
+
+    client: Client
+    slots: Slots
+    keys: list[bytes]
+    chains: list[tuple[int, bytes | None]]
+    tokens: np.ndarray | None
+    t0: float
 
 
 class Transfers:
@@ -112,8 +125,19 @@ class Transfers:
                 n = None
             n = n or 0
             self._fail(io.block_ids[n:])
-            self.counters.hit_tokens += n * self.pages.layout.block_tokens
+            self.count_load(self.counters, io, n)
         self.counters.load_s += time.perf_counter() - t0
+
+    def count_load(self, counters: Counters, io: BlockIO, arrived: int) -> int:
+        """Add a load of which ``arrived`` blocks arrived to ``counters``; returns the tokens it served
+        (a sliding window's blocks before ``io.keys`` count once the window arrived whole)."""
+        lo = self.pages.layout
+        counters.load_bytes += arrived * lo.block_bytes
+        served = arrived + (io.lead if arrived == len(io.block_ids) else 0)
+        if arrived == len(io.block_ids):
+            counters.window_saved_bytes += io.lead * lo.block_bytes
+        counters.hit_tokens += served * lo.block_tokens
+        return served * lo.block_tokens
 
     def _load_one(self, client: Client, io: BlockIO) -> int:
         with client.acquire(io.keys) as lease:
@@ -130,9 +154,16 @@ class Transfers:
         """Gather the step's new full blocks of every request into tierkv slots and commit them. With a
         committer the step costs the copy into slots allocated ahead (commits run on its thread);
         without one, the copy and two round trips. Never a wait for room."""
+        staged = self.stage(stores)
+        if staged is not None:
+            self.commit(staged)
+
+    def stage(self, stores: Sequence[BlockIO]) -> Staged | None:
+        """Take slots for the stores' blocks (from the committer's reservoir when there is one) and gather
+        vLLM's pages into them; nothing is committed yet. None: nothing to store, or no slots (counted)."""
         keys = [k for io in stores for k in io.keys]
         if not keys:
-            return
+            return None
         ids = [b for io in stores for b in io.block_ids]
         chains, at = [], 0  # each request's blocks continue its own chain
         for io in stores:
@@ -143,59 +174,67 @@ class Transfers:
         tokens = np.frombuffer(b"".join(io.tokens for io in stores if io.keys), dtype="<i4") \
             if all(io.tokens is not None for io in stores if io.keys) else None
         t0 = time.perf_counter()
-        new: int | None = None
+        link = self.committer.link if self.committer is not None else self.link
+        client = link.get()
         try:
-            if self.committer is not None:
-                self._store_behind(keys, ids, chains, tokens)
-            else:
-                new = self.link.call(lambda c: self._store(c, keys, ids, chains, tokens))
-                if new is None:
-                    self.counters.store_errors += len(keys)
+            if client is None:
+                raise ConnectionFailed("daemon not reachable")
+            slots = self.committer.slots(client, len(keys)) if self.committer is not None \
+                else client.alloc(len(keys), timeout=0)
+            try:
+                self.pages.gather(ids, slots.views)
+            except BaseException:
+                slots.abort()
+                raise
         except TierFull:
             self.counters.store_skipped += len(keys)
         except TierKVError as exc:
-            self._warn("a store", exc)
+            if client is not None:
+                link.drop(exc)
+                self._warn("a store", exc)
             self.counters.store_errors += len(keys)
+        else:
+            return Staged(client, slots, keys, chains, tokens, t0)
+        self._timed(t0)
+        return None
+
+    def commit(self, staged: Staged) -> None:
+        """Commit staged blocks: on the committer's thread once the copy is done, or now."""
+        st, n = staged, len(staged.keys)
+        if self.committer is not None:
+            ready = None
+            if self.pages.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.pages.device))
+            self.committer.submit(st.client, st.keys, st.slots, ready, st.chains, st.tokens)
+            self._timed(st.t0)
+            return
+        try:
+            self.pages.synchronize()
+            new = st.slots.commit(st.keys, chains=st.chains, remote=self.remote, tokens=st.tokens)
+        except TierKVError as exc:
+            self._warn("a store", exc)
+            self.link.drop(exc)
+            self.counters.store_errors += n
+        else:
+            self.counters.new_blocks += new
+            self.counters.stored_tokens += n * self.pages.layout.block_tokens
+        self._timed(st.t0)
+
+    def abort(self, staged: Staged) -> None:
+        """Give staged slots back uncommitted (another group of the same blocks found no room)."""
+        try:
+            staged.slots.abort()
+        except TierKVError:
+            pass  # the connection is gone, and its slots with it
+        self.counters.store_skipped += len(staged.keys)
+        self._timed(staged.t0)
+
+    def _timed(self, t0: float) -> None:
         dt = time.perf_counter() - t0
         self.counters.store_s += dt
         self.counters.store_steps += 1
         self.counters.store_max_s = max(self.counters.store_max_s, dt)
-        if new is not None:
-            self.counters.new_blocks += new
-            self.counters.stored_tokens += len(keys) * self.pages.layout.block_tokens
-
-    def _store_behind(self, keys: list[bytes], ids: list[int], chains: list[tuple[int, bytes | None]],
-                      tokens: np.ndarray | None) -> None:
-        """Copy into the committer's slots (its own connection); it commits them on its own thread."""
-        assert self.committer is not None
-        link = self.committer.link
-        client = link.get()
-        if client is None:
-            self.counters.store_errors += len(keys)
-            return
-        try:
-            slots = self.committer.slots(client, len(keys))
-        except TierKVError as exc:
-            if not isinstance(exc, TierFull):
-                link.drop(exc)
-            raise
-        try:
-            self.pages.gather(ids, slots.views)
-        except BaseException:
-            slots.abort()
-            raise
-        ready = None
-        if self.pages.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.pages.device))
-        self.committer.submit(client, keys, slots, ready, chains, tokens)
-
-    def _store(self, client: Client, keys: list[bytes], ids: list[int], chains: list[tuple[int, bytes | None]],
-               tokens: np.ndarray | None) -> int:
-        with client.alloc(len(keys), timeout=0) as slots:
-            self.pages.gather(ids, slots.views)
-            self.pages.synchronize()
-            return slots.commit(keys, chains=chains, remote=self.remote, tokens=tokens)
 
     def start_async(self, loads: Sequence[BlockIO]) -> None:
         """Start loads that run beside the forward pass; :meth:`take_done` reports them."""
@@ -210,16 +249,19 @@ class Transfers:
         """Requests whose asynchronous loads finished since the last call; their blocks that did not
         arrive join :meth:`take_load_errors` (vLLM must see both in the same step)."""
         done, self._done_now = self._done_now, set()
-        if self.asyncs is not None:
-            ids, failed, counters = self.asyncs.take()
-            done |= ids
+        for o in self.take_outcomes():
+            done.add(o.io.req_id)
+            failed = o.io.block_ids[o.arrived:]
             self._errors.update(failed)
             self.counters.load_errors += len(failed)
-            self.counters.hit_tokens += counters.hit_tokens
-            self.counters.async_hit_tokens += counters.hit_tokens
-            self.counters.async_loads += counters.async_loads
-            self.counters.async_wait_s += counters.async_wait_s
+            self.counters.async_hit_tokens += self.count_load(self.counters, o.io, o.arrived)
+            self.counters.async_loads += 1
+            self.counters.async_wait_s += o.seconds
         return done
+
+    def take_outcomes(self) -> list[Outcome]:
+        """The asynchronous loads finished since the last call, not counted yet."""
+        return self.asyncs.take() if self.asyncs is not None else []
 
     def take_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call."""
@@ -236,134 +278,3 @@ class Transfers:
             c.store_errors += done.store_errors
             c.store_skipped += done.store_skipped
         return c
-
-
-class AsyncLoads:
-    """Loads that run on a thread of their own, beside vLLM's forward pass.
-
-    Each batch submitted together is fetched at once (the daemon starts every promotion), then each
-    request is waited for up to its bound (``BlockIO.wait_s`` from submission), copied into vLLM's
-    pages on a side stream where there is a GPU, and marked done. Nothing raises out of the thread: a
-    failed or late load is a done request whose missing blocks vLLM recomputes. A request whose thread
-    is stuck past its bound (a daemon that stopped answering) is given up by :meth:`take`; the thread
-    then never writes its pages.
-
-    Args:
-        link: this thread's own connection to the daemon.
-        pages: the worker's paged caches.
-        warn: the connector's rate-limited warning.
-        grace_s: how long past its bound a request may stay unreported before it is given up.
-    """
-
-    def __init__(self, link: Link, pages: VllmPages, warn: Callable[[str, BaseException], None],
-                 grace_s: float = 1.0) -> None:
-        self.link, self.pages, self._warn, self.grace_s = link, pages, warn, grace_s
-        self._queue: queue.SimpleQueue[tuple[int, BlockIO, float]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple[BlockIO, float]] = {}  # id -> (load, submitted at)
-        self._next_id = 0
-        self._done: set[str] = set()
-        self._failed: set[int] = set()
-        self._counters = Counters()
-        self._thread: threading.Thread | None = None
-        self._stream = torch.cuda.Stream(pages.device) if pages.device.type == "cuda" else None
-
-    @property
-    def in_flight(self) -> int:
-        """Requests submitted and not reported yet."""
-        with self._lock:
-            return len(self._pending)
-
-    def submit(self, io: BlockIO) -> None:
-        """Queue one request's load (its bound starts now)."""
-        now = time.monotonic()
-        with self._lock:
-            self._next_id += 1
-            self._pending[self._next_id] = (io, now)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tierkv-async-load", daemon=True)
-                self._thread.start()
-            self._queue.put((self._next_id, io, now))
-
-    def take(self) -> tuple[set[str], set[int], Counters]:
-        """(requests done, their blocks that did not arrive, counters) since the last call; requests
-        past their bound and grace are given up here, all their blocks failed."""
-        now = time.monotonic()
-        with self._lock:
-            for i, (io, t0) in list(self._pending.items()):
-                if now > t0 + (io.wait_s or 0.0) + self.grace_s:
-                    del self._pending[i]
-                    self._record(io, t0, 0, now)
-            out = self._done, self._failed, self._counters
-            self._done, self._failed, self._counters = set(), set(), Counters()
-        return out
-
-    def _run(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            tickets = [self._fetch(io) for _, io, _ in batch]
-            for (i, io, t0), ticket in zip(batch, tickets):
-                self._finish(i, io, t0, ticket)
-
-    def _fetch(self, io: BlockIO) -> int | None:
-        try:
-            return self.link.call(lambda c: c.fetch(io.keys))
-        except TierKVError as exc:
-            self._warn("an asynchronous load (vLLM recomputes its blocks)", exc)
-            return None
-
-    def _finish(self, i: int, io: BlockIO, t0: float, ticket: int | None) -> None:
-        """Wait for the ticket within the request's bound, copy what arrived, report the request."""
-        client = self.link.get() if ticket is not None else None
-        if client is None or ticket is None:
-            self._report(i, io, t0, None)
-            return
-        left = max(0.0, t0 + (io.wait_s or 0.0) - time.monotonic())
-        try:
-            with client.wait(ticket, timeout=left) as lease:
-                self._report(i, io, t0, lease)
-        except TierKVError as exc:
-            self.link.drop(exc)
-            self._warn("an asynchronous load (vLLM recomputes its blocks)", exc)
-            self._report(i, io, t0, None)
-        except Exception as exc:  # noqa: BLE001 - the thread must report every request it took
-            self._warn("an asynchronous load (vLLM recomputes its blocks)", exc)
-            self._report(i, io, t0, None)
-
-    def _report(self, i: int, io: BlockIO, t0: float, lease: Any) -> None:
-        """Copy the leased blocks into vLLM's pages (unless the request was given up) and report it. The
-        copy runs under the lock, so :meth:`take` never gives up a request whose pages are being
-        written."""
-        with self._lock:
-            if self._pending.pop(i, None) is None:
-                return  # given up by take(): its blocks were reported failed, vLLM recomputes them
-            n = 0
-            if lease is not None and lease.count:
-                n = lease.count
-                try:
-                    self._scatter(lease.views, io.block_ids[:n])
-                except Exception as exc:  # noqa: BLE001 - report the request whatever happened
-                    self._warn("an asynchronous load (vLLM recomputes its blocks)", exc)
-                    n = 0
-            self._record(io, t0, n, time.monotonic())
-
-    def _scatter(self, views: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
-        if self._stream is None:
-            self.pages.scatter(views, block_ids)
-            return
-        with torch.cuda.stream(self._stream):
-            self.pages.scatter(views, block_ids)
-            self._stream.synchronize()
-
-    def _record(self, io: BlockIO, t0: float, n: int, now: float) -> None:
-        """Lock held."""
-        self._done.add(io.req_id)
-        self._failed.update(io.block_ids[n:])
-        self._counters.hit_tokens += n * self.pages.layout.block_tokens
-        self._counters.async_loads += 1
-        self._counters.async_wait_s += now - t0
