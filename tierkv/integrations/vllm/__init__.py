@@ -2,8 +2,8 @@
 ``--kv-transfer-config`` (``"kv_connector_module_path": "tierkv.integrations.vllm"``).
 
 The connector (and with it vLLM) is imported on first use of ``TierKVConnector``; the plain modules
-:mod:`.groups`, :mod:`.plan`, :mod:`.transfer`, :mod:`.grouped`, :mod:`.asyncload`, :mod:`.pages` and
-:mod:`.link` import no vLLM code.
+:mod:`.groups`, :mod:`.plan`, :mod:`.ranks`, :mod:`.transfer`, :mod:`.grouped`, :mod:`.asyncload`, :mod:`.pages`
+and :mod:`.link` import no vLLM code.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ model with several groups or a window loads beside the step, failing a load per 
 (:mod:`~tierkv.integrations.vllm.grouped`).
 
 The scheduler side (:class:`~tierkv.integrations.vllm.plan.Planner`) finds each request's cached
-prefix in the shared lookup index, starts promoting the disk blocks of requests as they enter the
+prefix in the shared lookup index (with tensor parallelism, in every rank's namespace: a block counts as
+cached, and as in host memory, only where every rank holds it), starts promoting the disk blocks of requests as they enter the
 queue, and plans the loads and one store pass per step; the worker side
 (:class:`~tierkv.integrations.vllm.transfer.Transfers`) runs them against vLLM's pages. A prefix in
 host memory loads inside the step; one partly on disk loads beside it (vLLM parks the request until
@@ -124,9 +125,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("tierkv: serving %s", "; ".join(_describe(g, m) for g, m in zip(self._groups, self._models)))
 
     def _plan_group(self, i: int) -> PlanGroup:
+        """Group ``i`` as the scheduler sees it: a connection to every tensor-parallel rank's namespace."""
         g, model = self._groups[i], self._models[i]
-        link = Link(self._socket, model=model, layout=g.layout, tp_rank=0, tp_size=self._tp_size, announce=i == 0)
-        return PlanGroup(link, Namespace(model, g.layout, 0, self._tp_size), g)
+        links = [Link(self._socket, model=model, layout=g.layout, tp_rank=r, tp_size=self._tp_size,
+                      announce=i == 0 and r == 0) for r in range(self._tp_size)]
+        return PlanGroup(links[0], Namespace(model, g.layout, 0, self._tp_size), g, tuple(links[1:]))
 
     # ---- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -204,7 +207,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Close the connections to the daemon."""
         if self._planner is not None:
             for group in self._planner.groups:
-                group.link.close()
+                for link in group.links:
+                    link.close()
         if self._transfers is not None:
             self._transfers.close()
 

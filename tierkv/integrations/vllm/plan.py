@@ -28,6 +28,7 @@ from tierkv.core.keys import KEY_BYTES, Namespace, chain_keys
 from tierkv.integrations.vllm.groups import GroupSpec, find_hit
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.meter import PrefillMeter
+from tierkv.integrations.vllm.ranks import ask_ranks, merge_plans
 
 __all__ = ["BlockIO", "PlanGroup", "Planner", "PrefillMeter", "StepPlan", "salt_root"]
 
@@ -120,18 +121,27 @@ class Role:
 
 @dataclass(frozen=True, slots=True)
 class PlanGroup:
-    """One KV cache group as the scheduler side sees it: the connection to its namespace, the namespace,
-    and its spec (None: full attention)."""
+    """One KV cache group as the scheduler side sees it: the connection to its namespace (tensor-parallel
+    rank 0's), the namespace, its spec (None: full attention), and the connections to the other ranks'
+    namespaces of the group (ranks 1 .. tp_size - 1; keys are rank 0's chain in every rank's namespace)."""
 
     link: Link
     namespace: Namespace
     spec: GroupSpec | None = None
+    ranks: tuple[Link, ...] = ()
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        """Every rank's connection, in rank order."""
+        return (self.link, *self.ranks)
 
 
 class Planner:
     """Per-request bookkeeping of the scheduler-side connector.
 
-    With several KV cache groups a block position is loaded only when every group can serve it
+    With tensor parallelism a block counts as cached, and as ready in host memory, only where every rank
+    holds it (:mod:`~tierkv.integrations.vllm.ranks`). With several KV cache groups a block position is
+    loaded only when every group can serve it
     (:func:`~tierkv.integrations.vllm.groups.find_hit`) and stored for every group or for none. With
     several groups or a sliding window every load is asynchronous: vLLM takes load failures of such
     models per request (a block id names no position in another group, and a window's recompute needs
@@ -186,21 +196,16 @@ class Planner:
                 keys.extend(chain_keys(fp, tokens, bt, keys[-1] if keys else st.roots[g]))
         return [keys[:n_blocks] for keys in st.keys]
 
-    def _ask(self, g: int, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)`` on group ``g``'s connection; None when the daemon cannot answer (a failed
-        connection is dropped and made again later)."""
-        link = self.groups[g].link
-        try:
-            return link.call(fn)
-        except TierKVError as exc:
-            link.drop(exc)
-            return None
+    def _ask(self, g: int, fn: Callable[[Any], Any]) -> list[Any] | None:
+        """``fn(client)`` on every rank's connection of group ``g``; None when the daemon cannot answer
+        for some rank (a failed connection is dropped and made again later)."""
+        return ask_ranks(self.groups[g].links, fn)
 
     def _hit(self, keys: list[list[bytes]], first: int, limit: int) -> int:
-        """Leading blocks every group can serve (see :func:`find_hit`); a group the daemon does not answer
-        for serves none."""
+        """Leading blocks every group can serve, each on every rank (see :func:`find_hit`); a group the
+        daemon does not answer for serves none."""
         def lookup(g: int) -> Callable[[int, int], int]:
-            return lambda lo, hi: int(self._ask(g, lambda c: c.lookup(keys[g][lo:hi])) or 0)
+            return lambda lo, hi: min(map(int, self._ask(g, lambda c: c.lookup(keys[g][lo:hi])) or [0]))
         return find_hit(self._specs, [lookup(g) for g in range(len(self.groups))], first, limit)
 
     def _start(self, g: int, first: int, n: int) -> int:
@@ -238,9 +243,10 @@ class Planner:
         """How many leading blocks to load (``first`` or less: none), and whether asynchronously (sets
         ``st.wait_s``; the daemon starts promoting what is not in host memory)."""
         starts = [self._start(g, first, hit) for g in range(len(self.groups))]
-        plans = [self._ask(g, lambda c, g=g: c.lookup_plan(keys[g][starts[g]:hit])) for g in range(len(self.groups))]
-        if any(p is None for p in plans):
+        asked = [self._ask(g, lambda c, g=g: c.lookup_plan(keys[g][starts[g]:hit])) for g in range(len(self.groups))]
+        if any(p is None for p in asked):
             return 0
+        plans = [merge_plans(p) for p in asked if p is not None]
         if self.whole_requests:
             if st.waited:  # its asynchronous load ended short: vLLM recomputes
                 return 0
@@ -272,7 +278,7 @@ class Planner:
         limit = (request.num_tokens - 1) // self.block_tokens
         keys = self._keys(st, limit)
         hit = self._hit(keys, 0, limit) if limit else 0
-        return sum(int(self._ask(g, lambda c, g=g: c.prefetch(keys[g][self._start(g, 0, hit):hit])) or 0)
+        return sum(sum(self._ask(g, lambda c, g=g: c.prefetch(keys[g][self._start(g, 0, hit):hit])) or [0])
                    for g in range(len(self.groups))) if hit else 0
 
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
@@ -362,9 +368,9 @@ class Planner:
             return []
         for g, group in enumerate(self.groups):
             keys = st.keys[g][:st.stored_blocks]
-            if keys:
+            for link in group.links if keys else ():
                 try:
-                    group.link.call(lambda c, keys=keys: c.request_finished(keys, out))
+                    link.call(lambda c, keys=keys: c.request_finished(keys, out))
                 except TierKVError:  # a hint (an older daemon may not know it): losing it costs no request
                     pass
         return st.keys[0][:st.stored_blocks]
