@@ -8,6 +8,7 @@ vLLM tests. The weights are seeded: the same call makes the same model.
   groups, one per attention type).
 * ``mistral``: Mistral with a sliding window on every layer (one group, sliding window).
 * ``deepseek``: DeepSeek-V2-style multi-head latent attention (a 512 + 64 latent, vLLM's CPU MLA backend).
+* ``llama``: plain Llama with 2 KV heads (one per rank at tensor parallelism 2).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tierkv.integrations.model import ensure_converted
 
 VOCAB = 49152
 WINDOW = 256  # tokens a sliding-window layer attends to: two of vLLM's 128-token CPU blocks
-ARCHS = ("gemma3", "mistral", "deepseek")
+ARCHS = ("gemma3", "mistral", "deepseek", "llama")
 
 
 def _config(arch: str) -> Any:
@@ -45,6 +46,10 @@ def _config(arch: str) -> Any:
                                 q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
                                 first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                                 moe_intermediate_size=64)
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common, num_hidden_layers=3, num_key_value_heads=2, head_dim=32)
     raise ValueError(f"unknown architecture {arch!r}; one of {ARCHS}")
 
 

@@ -80,6 +80,7 @@ class VllmServer:
         connector: a ``--kv-transfer-config`` other than tierkv's (e.g. vLLM's ExampleConnector).
         env: extra environment.
         dtype: the model's dtype (``--dtype``).
+        args: more server arguments (e.g. ``["--tensor-parallel-size", "2"]``).
     """
 
     model_dir: str
@@ -94,6 +95,7 @@ class VllmServer:
     port: int = 0
     proc: subprocess.Popen | None = None
     dtype: str = "float32"
+    args: list[str] = field(default_factory=list)  # more server arguments (``--tensor-parallel-size 2``)
 
     def command(self) -> list[str]:
         """The server's command line."""
@@ -102,7 +104,8 @@ class VllmServer:
         # vLLM sizes its check of max_model_len from memory, not from the block count: leave it a block.
         max_len = 4096 if self.num_blocks is None else (self.num_blocks - 1) * BLOCK_TOKENS
         return serve_command(self.model_dir, self.port, kv, name=self.name, num_blocks=self.num_blocks,
-                             prefix_caching=self.prefix_caching, max_model_len=max_len, dtype=self.dtype)
+                             prefix_caching=self.prefix_caching, max_model_len=max_len, dtype=self.dtype,
+                             extra=self.args)
 
     def start(self, wait: bool = True) -> VllmServer:
         """Start the server (on a fresh port unless one is set) and wait until it answers; a server

@@ -1,0 +1,46 @@
+"""Tensor parallelism 2 through vLLM's real CPU build and a real daemon: a small random-weight Llama with
+two KV heads (one per rank) answers a prompt with tierkv and stores it, each rank its own heads under
+its own namespace; a restarted vLLM (its own cache empty) loads the prompt from tierkv and answers the
+same tokens with the same log-probabilities."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierkv.integrations.vllm.launch import VllmServer
+
+from . import tiny_models
+from .helpers import Daemon
+from .test_vllm_models import HIT, PROMPT, metric
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(1500)]
+
+# one core per rank: each worker binds its own
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def test_tp2_after_a_restart_each_rank_loads_its_heads_and_vllm_answers_as_before(tmp_path):
+    model = tiny_models.make("llama", tmp_path / "models")
+    d = Daemon(tmp_path / "daemon", ["--host-capacity", "256MiB", "--slab-bytes", "8MiB"])
+    d.workdir.mkdir(parents=True, exist_ok=True)
+    d.start()
+    try:
+        def server(name: str) -> VllmServer:
+            return VllmServer(str(model), d.socket, tmp_path / f"vllm-{name}.log", env=TP_ENV,
+                              args=["--tensor-parallel-size", "2"])
+
+        with server("store") as s:
+            computed = s.complete(PROMPT)  # nothing cached yet: vLLM computes the whole prompt
+        spaces = [ns for ns in d.stats()["namespaces"].values() if ns["model"].startswith(model.name)]
+        assert sorted((ns["tp_rank"], ns["tp_size"]) for ns in spaces) == [(0, 2), (1, 2)]
+        assert len({ns["blocks"] for ns in spaces}) == 1 and spaces[0]["blocks"] >= HIT // 128
+        with server("restart") as s:
+            loaded = s.complete(PROMPT)
+            hit = metric(s, "vllm:tierkv_hit_tokens_total")
+            errors = metric(s, "vllm:tierkv_load_errors_total")
+        assert hit >= HIT and errors == 0, (hit, errors)
+        assert loaded["tokens"] == computed["tokens"]
+        assert loaded["logprobs"] == pytest.approx(computed["logprobs"], abs=1e-3)
+        assert loaded["cached_tokens"] >= HIT
+    finally:
+        d.stop()
