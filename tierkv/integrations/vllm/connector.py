@@ -108,7 +108,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             # A block lost between lookup and load must cost a recompute, never the request.
             ktc.kv_load_failure_policy = "recompute"
         extra = dict(ktc.kv_connector_extra_config or {})
-        self._role = Role.of(ktc.kv_role)
+        self._kv_role = Role.of(ktc.kv_role)  # the base class's _role is vLLM's KVConnectorRole
         self._layout, why = _layout(kv_cache_config)
         if self._layout is None:
             log.warning("tierkv: connector disabled: %s", why)
@@ -123,7 +123,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER and self._layout is not None:
             link = Link(self._socket, model=self._model, layout=self._layout, tp_rank=0, tp_size=self._tp_size)
             ns = Namespace(self._model, self._layout, 0, self._tp_size)
-            self._planner = Planner(link, ns, self._layout.block_tokens, stores=self._role.stores)
+            self._planner = Planner(link, ns, self._layout.block_tokens, stores=self._kv_role.stores)
             self._meter = PrefillMeter(lambda tokens, seconds: link.call(
                 lambda c: c.report_recompute(tokens, seconds)))
 
@@ -150,11 +150,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                     announce=False)  # the scheduler side says when the daemon goes and comes back
         # three connections: in-step loads (and a producer's stores), loads beside the step, and stores
         # committed behind the step (their slots and commits)
-        behind = self._role.stores and not self._role.commit_in_step
+        behind = self._kv_role.stores and not self._kv_role.commit_in_step
         self._transfers = Transfers(
             Link(self._socket, **args), pages, async_link=Link(self._socket, **args),  # type: ignore[arg-type]
             committer=StoreCommitter(Link(self._socket, **args), self._layout.block_tokens)  # type: ignore[arg-type]
-            if behind else None, remote=self._role.write_through)
+            if behind else None, remote=self._kv_role.write_through)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load this step's in-host blocks into vLLM's pages (all requests, all layers, one pass) and
