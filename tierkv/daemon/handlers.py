@@ -123,7 +123,10 @@ class Handlers:
         timeout = body.get("timeout")
         if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
             raise BadRequest("timeout must be a non-negative number or None")
-        lease, slots, tiers = self.store.wait(s, body.get("ticket"), timeout)
+        ticket = body.get("ticket")
+        if not isinstance(ticket, int):
+            raise BadRequest(f"ticket {ticket!r} is not pending on this connection")
+        lease, slots, tiers = self.store.wait(s, ticket, timeout)
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
     def prefetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
