@@ -139,6 +139,7 @@ class CudaQueue:
         self._waiter.join(30)
 
 
+_ntcopy: Callable[[Any, Any], None] | None
 try:  # streaming-store copy (native/ntcopy.c); the GIL is released during the copy
     from tierkv._ntcopy import copy as _ntcopy
 except ImportError:  # pragma: no cover - the extension is optional
