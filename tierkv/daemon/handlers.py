@@ -233,10 +233,10 @@ class Handlers:
 
     def window(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Fit a live sequence into a host budget; the rest goes to disk."""
-        args = [body.get(k) for k in ("budget", "sinks", "recent")]
-        if not all(isinstance(a, int) for a in args):
+        budget, sinks, recent = (body.get(k) for k in ("budget", "sinks", "recent"))
+        if not (isinstance(budget, int) and isinstance(sinks, int) and isinstance(recent, int)):
             raise BadRequest("budget, sinks and recent must be ints")
-        return {"demoted": self.store.window(s, validate_keys(body.get("keys")), *args)}
+        return {"demoted": self.store.window(s, validate_keys(body.get("keys")), budget, sinks, recent)}
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
