@@ -223,7 +223,8 @@ def make_queue(kind: str, name: str, device: int = 0, high_priority: bool = Fals
     if kind == "cuda":
         import torch
 
-        # (least, greatest) priority; the greatest is the most negative number
-        lo, hi = torch.cuda.Stream.priority_range()
+        # (least, greatest) priority; the greatest is the most negative number. torch's stub declares
+        # this static method as an instance method.
+        lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
         return CudaQueue(name, device, priority=hi if high_priority else lo, gate=gate)
     return ThreadQueue(name, gate=gate)

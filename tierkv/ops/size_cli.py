@@ -15,9 +15,9 @@ def _shape(model: str | None, layers: int | None, kv_heads: int | None, head_dim
            heads: int | None, dtype: str | None, window: int | None, sliding_layers: int | None) -> ModelShape:
     """The model from a preset, a config.json, or the geometry flags (flags override either)."""
     if model is None:
-        if None in (layers, kv_heads, head_dim):
+        if layers is None or kv_heads is None or head_dim is None:
             raise click.UsageError("give a MODEL (preset or config.json) or --layers, --kv-heads and --head-dim")
-        base = ModelShape("custom", layers, kv_heads, head_dim)  # type: ignore[arg-type]
+        base = ModelShape("custom", layers, kv_heads, head_dim)
     elif model.endswith(".json") or Path(model).is_dir():
         base = from_hf_config(model)
     else:
