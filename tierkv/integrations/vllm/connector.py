@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -53,7 +53,7 @@ from tierkv.integrations.vllm.transfer import Transfers
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -79,9 +79,9 @@ def _layout(kv_cache_config: KVCacheConfig) -> tuple[Layout | None, str]:
         return None, f"KV cache spec {type(spec).__name__} is not plain attention"
     if getattr(spec, "sliding_window", None):
         return None, "sliding-window attention is not supported"
-    try:
+    try:  # a spec with KV heads and a head size is an attention spec
         return Layout(len(groups[0].layer_names), int(heads), int(head), int(spec.block_size),
-                      dtype_name(spec.dtype)), ""
+                      dtype_name(cast("AttentionSpec", spec).dtype)), ""
     except (ValueError, TypeError) as exc:
         return None, str(exc)
 
@@ -104,6 +104,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
+        assert ktc is not None  # the base class raised otherwise
         if ktc.kv_load_failure_policy != "recompute":
             # A block lost between lookup and load must cost a recompute, never the request.
             ktc.kv_load_failure_policy = "recompute"
@@ -146,14 +147,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
-        args = dict(model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size,
+        args: dict[str, Any] = dict(model=self._model, layout=self._layout, tp_rank=rank, tp_size=self._tp_size,
                     announce=False)  # the scheduler side says when the daemon goes and comes back
         # three connections: in-step loads (and a producer's stores), loads beside the step, and stores
         # committed behind the step (their slots and commits)
         behind = self._kv_role.stores and not self._kv_role.commit_in_step
         self._transfers = Transfers(
-            Link(self._socket, **args), pages, async_link=Link(self._socket, **args),  # type: ignore[arg-type]
-            committer=StoreCommitter(Link(self._socket, **args), self._layout.block_tokens)  # type: ignore[arg-type]
+            Link(self._socket, **args), pages, async_link=Link(self._socket, **args),
+            committer=StoreCommitter(Link(self._socket, **args), self._layout.block_tokens)
             if behind else None, remote=self._kv_role.write_through)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
