@@ -322,6 +322,25 @@ def test_lease_misuse_leaves_leases_unchanged(live):
     assert settle(live, start) == start
 
 
+def test_a_ticket_is_the_int_fetch_gave(live):
+    """WAIT takes the int ticket FETCH gave: any other value, one equal to it (a float) included, is a bad
+    request, and the ticket stays pending."""
+    start = state_of(live)
+    c = RawClient(live.socket)
+    try:
+        c.hello(Namespace("test-model", SMALL))
+        ticket = c.ok(Op.FETCH, {"keys": live.keys[:2]})["ticket"]
+        for bad in (float(ticket), str(ticket), None, [ticket]):
+            status, reply = c.call(Op.WAIT, {"ticket": bad})
+            assert status == protocol.STATUS_ERROR and reply["code"] == "bad_request", (bad, reply)
+        reply = c.ok(Op.WAIT, {"ticket": ticket})
+        assert type(reply["lease"]) is int and len(reply["slots"]) == 2
+        c.ok(Op.RELEASE, {"leases": [reply["lease"]]})
+    finally:
+        c.close()
+    assert settle(live, start) == start
+
+
 def test_release_same_lease_twice_in_one_request(live):
     c = RawClient(live.socket)
     try:

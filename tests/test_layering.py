@@ -29,6 +29,16 @@ def test_import_contracts_hold():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.timeout(600)
+def test_the_package_type_checks():
+    """mypy under pyproject.toml's [tool.mypy] (every function annotated) finds no error in tierkv/. Its
+    cache is the checkout's .mypy_cache: a later run checks only what changed (a first one takes ~1 min)."""
+    pytest.importorskip("mypy", reason="mypy is not installed (the test extra)")
+    assert _pyproject()["tool"]["mypy"]["disallow_untyped_defs"] is True
+    out = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_client_import_loads_no_daemon_code():
     """An engine process imports tierkv.client: Redis, LMDB and the daemon stay out of it."""
     code = ("import json, sys, tierkv.client; print(json.dumps(sorted(m for m in sys.modules "

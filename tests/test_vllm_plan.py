@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -125,6 +126,21 @@ def test_roles_a_consumer_only_loads_and_a_producer_stores_its_whole_prompt(daem
     assert n == 3 * BT and plan.loads and not plan.stores  # 5 full blocks, 2 new: none stored
     connector = pytest.importorskip("tierkv.integrations.vllm.connector")
     assert connector.TierKVConnector.requires_kv_delivery.fget(None) is False  # best effort in every role
+
+
+def test_the_connector_reports_vllms_role():
+    """vLLM's base class keeps the connector's KVConnectorRole (scheduler or worker side), read through
+    ``role``; the tierkv role that ``kv_role`` names is kept apart from it."""
+    connector = pytest.importorskip("tierkv.integrations.vllm.connector")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    ktc = SimpleNamespace(kv_load_failure_policy="recompute", kv_connector_extra_config={}, kv_role="kv_producer")
+    cfg = SimpleNamespace(kv_transfer_config=ktc, parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                          model_config=SimpleNamespace(model="m"))
+    for role in KVConnectorRole:
+        # no KV cache group: the connector is disabled and connects to no daemon
+        c = connector.TierKVConnector(cfg, role, SimpleNamespace(kv_cache_groups=[]))
+        assert c.role is role
 
 
 @need_redis

@@ -112,7 +112,7 @@ class Block:
     @property
     def protected(self) -> bool:
         """The host slot must stay (read by a client or a transfer, or pinned)."""
-        return self.leases > 0 or self.writing or self.loading is not None or self.pin > 0
+        return self.leases > 0 or self.writing > 0 or self.loading is not None or self.pin > 0
 
     @property
     def gpu_protected(self) -> bool:

@@ -35,7 +35,7 @@ _CHAIN = object()  # HostPlacement.inserted: the block's own chain parent
 class DiskPlacement:
     """The disk tier's bookkeeping: bytes used, its policy, and victims when a write needs room."""
 
-    def __init__(self, table: BlockTable, policy: Policy, cfg: Any, capacity: Callable[[], int],
+    def __init__(self, table: BlockTable, policy: Policy[bytes], cfg: Any, capacity: Callable[[], int],
                  stored_size: Callable[[int], int]) -> None:
         self.table, self.policy, self.cfg = table, policy, cfg
         self.capacity = capacity   # the disk tier's capacity (``tune disk.capacity`` changes it)
@@ -97,7 +97,7 @@ class DiskPlacement:
 class HostPlacement:
     """Host slots: allocation under the effective limit, eviction of clean blocks, demotion to disk."""
 
-    def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy, disk: DiskPlacement,
+    def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy[bytes], disk: DiskPlacement,
                  has_disk: bool, reuse: ReuseModel, admission: Placement, cfg: Any,
                  writer_idle: Callable[[], bool]) -> None:
         self.table, self.pool, self.policy, self.disk, self.has_disk = table, pool, policy, disk, has_disk
@@ -148,14 +148,15 @@ class HostPlacement:
     def inserted(self, b: Block, parent: Any = _CHAIN) -> None:
         """``b``'s host slot holds its bytes: the policy may evict it (after ``parent``, by default the
         block's chain parent)."""
-        self.policy.on_insert(b.fk, self.pool.slot_size_at(b.host_off),  # type: ignore[arg-type]
-                              b.parent if parent is _CHAIN else parent)
+        assert b.host_off is not None
+        self.policy.on_insert(b.fk, self.pool.slot_size_at(b.host_off), b.parent if parent is _CHAIN else parent)
 
     def drop(self, b: Block) -> None:
         """Free a block's host slot (it stays in the colder tiers that hold it)."""
+        assert b.host_off is not None
         self.reuse.left(b.fk, time.monotonic(), len(self.policy))
         self.policy.on_remove(b.fk)
-        self.pool.free(b.host_off)  # type: ignore[arg-type]
+        self.pool.free(b.host_off)
         b.host_off = None
         self.stats.evictions += 1
         if b.on_disk:
@@ -165,8 +166,9 @@ class HostPlacement:
 
     def free_failed(self, b: Block) -> None:
         """Give back the slot of a load that failed; the block is never served from it."""
+        assert b.host_off is not None
         b.load_failed = True
-        self.pool.free(b.host_off)  # type: ignore[arg-type]
+        self.pool.free(b.host_off)
         b.host_off = None
 
     def touch(self, b: Block) -> None:
@@ -290,7 +292,8 @@ class HostPlacement:
 class GpuPlacement:
     """Device slots: clean copies are dropped under plain recency; drains keep the only copy."""
 
-    def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy, disk: DiskPlacement) -> None:
+    def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy[bytes],
+                 disk: DiskPlacement) -> None:
         self.table, self.pool, self.policy, self.disk = table, pool, policy, disk
         self.stats = TierCounters()
 
@@ -312,12 +315,14 @@ class GpuPlacement:
 
     def inserted(self, b: Block) -> None:
         """``b``'s device slot holds its bytes."""
-        self.policy.on_insert(b.fk, self.pool.slot_size_at(b.gpu_off), None)  # type: ignore[arg-type]
+        assert b.gpu_off is not None
+        self.policy.on_insert(b.fk, self.pool.slot_size_at(b.gpu_off), None)
 
     def drop(self, b: Block) -> None:
         """Free a block's device slot; it stays in the colder tiers that hold it."""
+        assert b.gpu_off is not None
         self.policy.on_remove(b.fk)
-        self.pool.free(b.gpu_off)  # type: ignore[arg-type]
+        self.pool.free(b.gpu_off)
         b.gpu_off = None
         self.stats.evictions += 1
         if b.host_off is None and not b.on_disk:

@@ -162,7 +162,7 @@ class BlockTable:
         """The blocks, source tiers and lease tier of a pending fetch, which ends here."""
         if ticket not in s.tickets:
             raise BadRequest(f"ticket {ticket!r} is not pending on this connection")
-        return s.tickets.pop(ticket)  # type: ignore[call-overload]
+        return s.tickets.pop(ticket)
 
     def hold(self, s: Session, lease_id: int, blocks: list[Block], tier: str) -> Lease:
         """Turn a ticket's blocks into a lease the connection holds until it releases it."""

@@ -7,7 +7,7 @@ layer (alloc/commit, acquire/release) hands out the slots themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from tierkv.client.slots import Lease, Slots
 from tierkv.core.errors import BadRequest, KeyMissing, TierKVError
 from tierkv.core.keys import chain_keys
 from tierkv.core.protocol import Op
+
+if TYPE_CHECKING:
+    from tierkv.client.paged import EngineLayout
 
 __all__ = ["Client", "Lease", "Slots"]
 
@@ -327,7 +330,7 @@ class Client(Connection):
 
     # ---- paged engine caches ----------------------------------------------------------------------
     def store_paged(self, keys: Sequence[bytes], k_caches: Any, v_caches: Any, block_ids: Any,
-                    *, layout: str = "NHD", durable: bool = False, tier: str | None = None) -> int:
+                    *, layout: EngineLayout = "NHD", durable: bool = False, tier: str | None = None) -> int:
         """Offload straight from an engine's paged KV cache (vLLM-style per-layer K and V of shape
         ``[num_blocks, block_tokens, kv_heads, head_dim]``, or ``"HND"``): the engine blocks
         ``block_ids`` are gathered into fresh slots in one pass and committed under ``keys``. Caches on
@@ -348,7 +351,7 @@ class Client(Connection):
             return slots.commit(keys, durable=durable)
 
     def load_paged(self, keys: Sequence[bytes], k_caches: Any, v_caches: Any, block_ids: Any,
-                   *, layout: str = "NHD", tier: str | None = None) -> int:
+                   *, layout: EngineLayout = "NHD", tier: str | None = None) -> int:
         """Load the cached prefix of ``keys`` straight into an engine's paged KV cache at ``block_ids``
         (one scatter pass); returns how many leading blocks were loaded."""
         from tierkv.client.paged import scatter

@@ -11,19 +11,19 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
 
 from tierkv.core.layout import Layout
 
+_stream_copy: Callable[[np.ndarray, np.ndarray], None]
 try:  # streaming-store copy (native/ntcopy.c)
     from tierkv._ntcopy import copy as _stream_copy
 except ImportError:  # pragma: no cover - the extension is optional
-    def _stream_copy(dst: Any, src: Any) -> None:
+    def _stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
 
 # Below this many bytes per thread a thread's start-up costs more than its share of the copy.

@@ -95,6 +95,7 @@ def _encode(codec: Codec, raw: np.ndarray, layout: Layout, fingerprint: bytes, k
         codec = get_codec("lossless")
         params = {}
         parts = codec.encode(raw, layout, params)
+        assert parts is not None  # the lossless codec takes every block
     packed = [pack_section(buf, policy, level, tuned=codec.name != "zstd") for buf, policy in parts]
     if codec.checksum_scope == SCOPE_RAW:
         digest = raw_digest if raw_digest is not None else _digest([raw], fingerprint, key)

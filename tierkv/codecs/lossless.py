@@ -8,18 +8,20 @@ random and are stored as they are unless a 4 KiB probe says they compress (const
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from tierkv.codecs.base import Codec
+from tierkv.codecs.zstdio import Policy
+from tierkv.core.layout import Layout
+
+_merge_planes: Callable[[np.ndarray, list[Any]], None] | None
 try:  # one-pass plane merge from native/ntcopy.c; numpy's shift-or below is the fallback
     from tierkv._ntcopy import merge_planes as _merge_planes
 except ImportError:  # pragma: no cover
     _merge_planes = None
-
-from tierkv.codecs.base import Codec
-from tierkv.codecs.zstdio import Policy
-from tierkv.core.layout import Layout
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from enum import IntEnum
+from typing import Any
 
 import zstandard
 
@@ -82,7 +83,7 @@ def check_level(level: int) -> int:
     return level
 
 
-def pack_section(data, policy: Policy, level: int, *, tuned: bool = True) -> tuple[Method, object]:
+def pack_section(data: Any, policy: Policy, level: int, *, tuned: bool = True) -> tuple[Method, Any]:
     """Apply the zstd stage to one section.
 
     Args:
@@ -107,7 +108,7 @@ def pack_section(data, policy: Policy, level: int, *, tuned: bool = True) -> tup
     return Method.RAW, data
 
 
-def check_frame(frame, expected: int) -> None:
+def check_frame(frame: bytes | memoryview, expected: int) -> None:
     """Validate a stored zstd section before decompressing it (``CodecError`` if it does not fit)."""
     try:
         params = zstandard.get_frame_parameters(frame)
@@ -119,7 +120,7 @@ def check_frame(frame, expected: int) -> None:
         raise CodecError("zstd frame needs a dictionary")
 
 
-def decompress_exact(frame, expected: int) -> bytes:
+def decompress_exact(frame: bytes | memoryview, expected: int) -> bytes:
     """Decompress one zstd frame that must hold exactly ``expected`` bytes.
 
     The frame header is checked first, so nothing larger than ``expected`` is ever allocated; trailing

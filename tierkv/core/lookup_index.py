@@ -13,11 +13,14 @@ import fcntl
 import logging
 import mmap
 import os
+from typing import NoReturn
 
 try:
     from tierkv import _lookup
 except ImportError:  # the optional extension did not build: the socket path serves lookups
-    _lookup = None
+    _BUILT = False
+else:
+    _BUILT = True
 
 log = logging.getLogger("tierkv.lookup")
 
@@ -27,7 +30,7 @@ _F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1+: no new writable mappings (the daemo
 
 def available() -> bool:
     """Whether the C extension behind the index is installed."""
-    return _lookup is not None
+    return _BUILT
 
 
 class LookupIndex:
@@ -35,7 +38,7 @@ class LookupIndex:
     local tier. One writer: every call is made under the block table's lock."""
 
     def __init__(self, slots: int) -> None:
-        if _lookup is None:
+        if not _BUILT:
             raise RuntimeError("tierkv._lookup is not built")
         nbytes = HEADER_BYTES + 8 * slots
         self.fd = os.memfd_create("tierkv-lookup", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -117,10 +120,10 @@ class IndexedBlocks(dict):
             return default[0]
         raise KeyError(fk)
 
-    def _unsupported(self, *args: object, **kw: object) -> None:
+    def _unsupported(self, *args: object, **kw: object) -> NoReturn:
         raise NotImplementedError("IndexedBlocks supports item assignment, del and pop only")
 
-    clear = update = setdefault = popitem = _unsupported  # type: ignore[assignment]
+    clear = update = setdefault = popitem = _unsupported
 
 
 class ClientIndex:

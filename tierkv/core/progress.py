@@ -42,7 +42,6 @@ def bar(total: int | None, description: str, out: TextIO | None = None) -> Itera
         task = p.add_task(description, total=total)
 
         def advance(n: int = 1, description: str | None = None, total: int | None = None) -> None:
-            extra = {k: v for k, v in (("description", description), ("total", total)) if v is not None}
-            p.update(task, advance=n, **extra)
+            p.update(task, advance=n, description=description, total=total)  # None changes nothing
 
         yield advance

@@ -91,7 +91,7 @@ def parse_header(buf: bytes, max_frame: int) -> tuple[int, int, int, int]:
     return op, status, rid, length
 
 
-def unpack_body(payload: bytes | memoryview, max_frame: int) -> Any:
+def unpack_body(payload: bytes | bytearray | memoryview, max_frame: int) -> Any:
     """Decode a msgpack body with limits (no ext types, string keys only)."""
     try:
         # The frame length was capped before reading; msgpack bounds every container by it as well.

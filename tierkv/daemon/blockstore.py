@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv.cache.block import Session
 from tierkv.cache.counters import TierCounters
@@ -39,6 +39,9 @@ from tierkv.movers.transfer import TransferEngine
 from tierkv.tiers.disk import stored_size
 from tierkv.tiers.host import slot_size_for
 
+if TYPE_CHECKING:
+    from tierkv.tiers.gpu import DevicePool
+
 HISTORY_ENTRIES = 1 << 16
 
 
@@ -52,7 +55,8 @@ class BlockStore:
         self.changed = threading.Condition(self.lock)
         self.table = BlockTable(cfg.server.lookup_index_slots)
         self.tiers = open_tiers(cfg, data_dir)
-        self.host, self.disk, self.gpu, self.remote = self.tiers.host, self.tiers.disk, None, self.tiers.remote
+        self.host, self.disk, self.remote = self.tiers.host, self.tiers.disk, self.tiers.remote
+        self.gpu: DevicePool | None = None  # set by _attach_gpu
         # One use history for both tiers (heat survives demotion), bounded so that a stream of
         # one-shot keys cannot grow the daemon's memory (~150 B a record).
         self.history = History(max_entries=HISTORY_ENTRIES)
@@ -98,7 +102,7 @@ class BlockStore:
             self.events.start()
         self.evictor.start()
 
-    def _attach_gpu(self, gpu: Any) -> None:
+    def _attach_gpu(self, gpu: DevicePool) -> None:
         try:
             self.engine.attach_device(gpu, self.host)
         except Exception:
@@ -219,6 +223,7 @@ class BlockStore:
                 self.host.free(off)
             s.slots.clear()
             for off in s.gpu_slots:
+                assert self.gpu is not None  # the connection holds GPU slots: the GPU tier is on
                 self.gpu.free(off)
             s.gpu_slots.clear()
             self.table.unbind(s)
@@ -302,6 +307,7 @@ class BlockStore:
         self._requested(s, keys)
         if self.tier(tier) != "gpu":
             return self.fetch_path.fetch(s, ns, keys)
+        assert self.gpu_path is not None  # self.tier checked that the GPU tier is on
         leased, tiers = self.gpu_path.promote(s, ns, keys, lease=True)
         with self.lock:
             self.table.count_fetch(s.fp, len(keys), len(leased))
@@ -316,6 +322,7 @@ class BlockStore:
         ns = self.ns(s)
         self._requested(s, keys)
         if self.tier(tier) == "gpu":
+            assert self.gpu_path is not None  # self.tier checked that the GPU tier is on
             return len(self.gpu_path.promote(s, ns, keys, lease=False)[0])
         return self.fetch_path.prefetch(s, ns, keys)
 
@@ -368,6 +375,7 @@ class BlockStore:
                 if b is None or b.busy:
                     continue
                 if b.gpu_off is not None:
+                    assert self.gpu is not None and self.gpup is not None  # b holds a GPU slot
                     self.gpup.policy.on_remove(b.fk)
                     self.gpu.free(b.gpu_off)
                     b.gpu_off = None

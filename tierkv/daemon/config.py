@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
@@ -380,7 +381,7 @@ def _convert(name: str, typ: Any, value: Any, key: str) -> Any:
     raise ValueError(f"cannot set {name}")
 
 
-def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
                 overrides: dict[str, Any] | None = None) -> Config:
     """Build the effective config: defaults < TOML ``path`` < ``TIERKV_SECTION_KEY`` env < ``overrides``.
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tierkv.daemon.blockstore import BlockStore
+    from tierkv.movers.jobs import Job
 
 log = logging.getLogger("tierkv.table")
 
@@ -24,7 +25,7 @@ class Evictor:
         self.st = st
         self._kick = threading.Event()
         self._force = False
-        self._wb_job = None  # the write-behind batch in flight
+        self._wb_job: Job | None = None  # the write-behind batch in flight
         self._thread = threading.Thread(target=self._loop, name="tierkv-evictor", daemon=True)
 
     def start(self) -> None:

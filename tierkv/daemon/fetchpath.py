@@ -99,6 +99,7 @@ class FetchPath:
             if off is None or b.host_off is not None or b.gpu_off is None or b.gpu_loading is not None:
                 return self._moved(b, off, slot, loads)
             b.host_off = off
+            assert st.gpu_path is not None  # b holds a GPU slot: the GPU tier is on
             st.gpu_path.copy_to_host([b])
             st.hostp.stats.misses += 1
             return "gpu"
@@ -129,6 +130,7 @@ class FetchPath:
                       tiers: list[str]) -> None:
         """Continue a fetch from the remote tier: the part of the prefix no local tier holds."""
         st = self.st
+        assert st.remote is not None  # called only with a remote tier
         n = st.remote.prefix_len(s.fp, keys)  # network: outside the lock
         if n == 0:
             return
@@ -181,8 +183,12 @@ class FetchPath:
                 unlease(b, tier)
             lease = st.table.hold(s, ticket, leased[:cut], tier)
             st.changed.notify_all()
-            offs = [b.gpu_off if gpu else b.host_off for b in lease.blocks]
-            return lease.id, offs, tiers[:cut]  # type: ignore[return-value]
+            offs: list[int] = []
+            for b in lease.blocks:
+                off = b.gpu_off if gpu else b.host_off
+                assert off is not None  # the lease ends before the first block without its slot
+                offs.append(off)
+            return lease.id, offs, tiers[:cut]
 
     # ---- prefetch and plan ------------------------------------------------------------------------
     def prefetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:

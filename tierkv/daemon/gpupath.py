@@ -24,8 +24,10 @@ class GpuPath:
     """GPU drains (device -> host) and promotions (host -> device)."""
 
     def __init__(self, st: BlockStore) -> None:
+        assert st.gpu is not None and st.gpup is not None  # made once the GPU tier is attached
         self.st = st
         self.gpu = st.gpu
+        self.gpup = st.gpup
         self.undrained: list[Block] = []  # GPU commits waiting for a host slot to drain into
 
     # ---- slots ------------------------------------------------------------------------------------
@@ -34,14 +36,14 @@ class GpuPath:
         st = self.st
         deadline = None
         while True:
-            off = st.gpup.alloc(slot)
+            off = self.gpup.alloc(slot)
             if off is not None:
                 return off
             if not wait or st.closing:
                 raise TierFull("GPU tier has no evictable block right now")
             if deadline is None:
                 deadline = time.monotonic() + 30.0
-            if time.monotonic() > deadline or not st.gpup.draining():
+            if time.monotonic() > deadline or not self.gpup.draining():
                 raise TierFull("GPU tier is full: every block is leased or being filled")
             st.changed.wait(0.05)
 
@@ -76,6 +78,7 @@ class GpuPath:
         st = self.st
         copies: list[Copy] = []
         for b in blocks:
+            assert b.gpu_off is not None and b.host_off is not None  # a drain with its host slot assigned
             b.loading = threading.Event()
             b.load_failed = False
             b.gpu_leases += 1  # the GPU slot is the copy's source
@@ -88,10 +91,10 @@ class GpuPath:
                 b.draining = False
                 st.hostp.inserted(b)
                 st.hostp.stats.bytes_in += b.nbytes
-                st.gpup.stats.demotions += 1
+                self.gpup.stats.demotions += 1
             else:
                 st.hostp.free_failed(b)
-                st.gpup.stats.errors += 1
+                self.gpup.stats.errors += 1
                 if b.draining:
                     self.undrained.append(b)  # the GPU copy is the only one: try again later
             if ev is not None:
@@ -120,11 +123,11 @@ class GpuPath:
             for k in keys:
                 b = st.table.get(s.fp + k)
                 if b is None:
-                    st.gpup.stats.misses += 1
+                    self.gpup.stats.misses += 1
                     break
                 if b.gpu_off is not None:
-                    st.gpup.stats.hits += 1
-                    st.gpup.policy.on_access(b.fk)
+                    self.gpup.stats.hits += 1
+                    self.gpup.policy.on_access(b.fk)
                     b.hits += 1
                     if lease:
                         b.gpu_leases += 1
@@ -138,11 +141,12 @@ class GpuPath:
                     goff = self.slot(slot, wait=False)
                 except TierFull:
                     break  # no room on the GPU: the prefix so far is what the client gets
-                st.gpup.stats.misses += 1
+                self.gpup.stats.misses += 1
                 st.hostp.touch(b)
                 b.gpu_off, b.gpu_loading = goff, threading.Event()
                 b.leases += 1  # the host slot is the copy's source: keep it until the copy is done
                 moving.append(b)
+                assert b.host_off is not None  # _source gave it a host slot
                 copies.append(Copy(st.host_tensor(b.host_off, b.nbytes), self.gpu.view(goff, b.nbytes),
                                    ready=None if b.loading is None else ready_after(b, b.loading)))
                 if lease:
@@ -177,11 +181,12 @@ class GpuPath:
             ev = settle(b, "gpu_loading")
             b.leases -= 1
             if c.ok:
-                st.gpup.inserted(b)
-                st.gpup.stats.promotions += 1
-                st.gpup.stats.bytes_in += b.nbytes
+                self.gpup.inserted(b)
+                self.gpup.stats.promotions += 1
+                self.gpup.stats.bytes_in += b.nbytes
             else:  # its source never arrived (a bad disk value): a miss, never served
-                self.gpu.free(b.gpu_off)  # type: ignore[arg-type]
+                assert b.gpu_off is not None  # set when the promotion started
+                self.gpu.free(b.gpu_off)
                 b.gpu_off = None
             if ev is not None:
                 ev.set()

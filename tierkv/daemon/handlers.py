@@ -123,7 +123,10 @@ class Handlers:
         timeout = body.get("timeout")
         if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
             raise BadRequest("timeout must be a non-negative number or None")
-        lease, slots, tiers = self.store.wait(s, body.get("ticket"), timeout)
+        ticket = body.get("ticket")
+        if not isinstance(ticket, int):
+            raise BadRequest(f"ticket {ticket!r} is not pending on this connection")
+        lease, slots, tiers = self.store.wait(s, ticket, timeout)
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
     def prefetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
@@ -230,10 +233,10 @@ class Handlers:
 
     def window(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Fit a live sequence into a host budget; the rest goes to disk."""
-        args = [body.get(k) for k in ("budget", "sinks", "recent")]
-        if not all(isinstance(a, int) for a in args):
+        budget, sinks, recent = (body.get(k) for k in ("budget", "sinks", "recent"))
+        if not (isinstance(budget, int) and isinstance(sinks, int) and isinstance(recent, int)):
             raise BadRequest("budget, sinks and recent must be ints")
-        return {"demoted": self.store.window(s, validate_keys(body.get("keys")), *args)}
+        return {"demoted": self.store.window(s, validate_keys(body.get("keys")), budget, sinks, recent)}
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

@@ -21,8 +21,12 @@ def moves(blocks: Sequence[Block], view: Callable[[int, int], Any], layout: Call
         view: the host pool's ``view(offset, nbytes)``.
         layout: the layout of a block's namespace.
     """
-    return [Move(b.fk, view(b.host_off, b.nbytes), layout(b), b.fk[:FINGERPRINT_BYTES],  # type: ignore[arg-type]
-                 b.fk[FINGERPRINT_BYTES:]) for b in blocks]
+    out = []
+    for b in blocks:
+        assert b.host_off is not None
+        out.append(Move(b.fk, view(b.host_off, b.nbytes), layout(b), b.fk[:FINGERPRINT_BYTES],
+                        b.fk[FINGERPRINT_BYTES:]))
+    return out
 
 
 def job_moves(job: Job) -> list[Move]:

@@ -225,6 +225,7 @@ def _handler(registry: CollectorRegistry, server: Any) -> type:
     """The request handler: ``/lookup`` here, everything else Prometheus's exposition."""
     base = MetricsHandler.factory(registry)
 
+    # A base class made at run time (prometheus_client types it as a plain ``type``): mypy cannot check it.
     class Handler(base):  # type: ignore[misc, valid-type]
         def do_GET(self) -> None:
             url = urlsplit(self.path)

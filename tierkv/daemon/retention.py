@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierkv.cache.block import Session
+from tierkv.cache.block import Block, Session
 from tierkv.cache.windows import window_out
 from tierkv.core.errors import BadRequest, TierFull
 
@@ -22,17 +22,21 @@ def pin_prefix(st: BlockStore, s: Session, keys: list[bytes], priority: int) -> 
     if not isinstance(priority, int) or not 1 <= priority <= 100:
         raise BadRequest("priority must be an int in 1..100")
     lease_id, _offs, _tiers = st.acquire(s, keys)
+
+    def slot_bytes(b: Block) -> int:
+        assert b.host_off is not None  # a host lease: every block is in a host slot
+        return st.host.slot_size_at(b.host_off)
     with st.lock:
         lease, hp = s.leases[lease_id], st.hostp
         cap = st.cfg.host.max_pinned_fraction * hp.limit
-        add = sum(st.host.slot_size_at(b.host_off) for b in lease.blocks if b.pin == 0)  # type: ignore
+        add = sum(slot_bytes(b) for b in lease.blocks if b.pin == 0)
         if hp.pinned_bytes + add > cap:
             st.release(s, [lease_id])
             raise TierFull(f"pinning {add} more bytes would exceed host.max_pinned_fraction "
                            f"({st.cfg.host.max_pinned_fraction:.0%} of the host tier)")
         for b in lease.blocks:
             if b.pin == 0:
-                hp.pinned_bytes += st.host.slot_size_at(b.host_off)  # type: ignore[arg-type]
+                hp.pinned_bytes += slot_bytes(b)
             b.pin = max(b.pin, priority)
         st.release(s, [lease_id])
         return len(lease.blocks)

@@ -54,6 +54,7 @@ def _local_tiers(st: BlockStore) -> dict[str, dict]:
     tiers: dict[str, dict] = {}
     if st.gpu is not None:
         g = st.gpu
+        assert st.gpup is not None  # attached with the GPU tier
         gpu_blocks = [b for b in records if b.gpu_off is not None]
         gpu_live = sum(b.nbytes for b in gpu_blocks)
         tiers["gpu"] = tier_snapshot(st.gpup.stats, capacity=g.capacity, used=g.used_bytes, blocks=len(gpu_blocks),
@@ -106,6 +107,7 @@ def tier_figures(st: BlockStore) -> list[tuple[str, TierCounters, int, int]]:
     """(tier, counters, used bytes, capacity) per tier, hottest first; plain reads, no lock, no walk."""
     out = []
     if st.gpu is not None:
+        assert st.gpup is not None  # attached with the GPU tier
         out.append(("gpu", st.gpup.stats, st.gpu.used_bytes, st.gpu.capacity))
     out.append(("host", st.hostp.stats, st.host.used_bytes, st.host.capacity))
     if st.disk is not None:

@@ -7,7 +7,7 @@ import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv.cache.policy import History, Policy, policy_class
 from tierkv.cache.policy import make_policy as _make
@@ -16,6 +16,10 @@ from tierkv.daemon.config import Config
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostPool
 
+if TYPE_CHECKING:
+    from tierkv.tiers.gpu import DevicePool
+    from tierkv.tiers.remote import RemoteTier
+
 
 @dataclass
 class Tiers:
@@ -23,8 +27,8 @@ class Tiers:
 
     host: HostPool
     disk: DiskTier | None
-    gpu: Any
-    remote: Any
+    gpu: DevicePool | None
+    remote: RemoteTier | None
 
     def close(self) -> None:
         """Close every tier (the reverse of opening them)."""
@@ -89,5 +93,6 @@ def make_disk_policy(cfg: Config, history: History, evict_model: ReuseModel) -> 
     reuse = evict_model if cfg.disk.admission == "predicted" else None
     policy = make_policy(cfg.disk.policy, cfg, history, reuse,
                          {"idle_aging": cfg.disk.idle_aging, "shadow_rate": cfg.disk.order_shadow_rate})
-    policy.shadow_on_requests = True  # type: ignore[attr-defined]
+    if hasattr(policy, "shadow_on_requests"):  # the policies with an LRU shadow (it is read by them only)
+        policy.shadow_on_requests = True
     return policy

@@ -18,6 +18,7 @@ from tierkv.tiers.host import slot_size_for
 
 if TYPE_CHECKING:
     from tierkv.daemon.blockstore import BlockStore
+    from tierkv.tiers.host import SlabAllocator
 
 log = logging.getLogger("tierkv.table")
 
@@ -60,14 +61,15 @@ class StorePath:
 
     def _alloc_gpu(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, slot: int) -> list[int | None]:
         st = self.st
-        gpu = st.gpu
+        gpu, path = st.gpu, st.gpu_path
+        assert gpu is not None and path is not None  # st.tier checked that the GPU tier is on
         if slot > gpu.slab_bytes:
             raise BadRequest(f"a block of {ns.layout.block_bytes} bytes exceeds the GPU slab size "
                              f"({gpu.slab_bytes}); raise gpu.slab_bytes")
         if n * slot > gpu.capacity:
             raise BadRequest(f"{n} blocks of {slot} bytes exceed the GPU tier ({gpu.capacity} bytes)")
         with st.lock:
-            return self._take_slots(s, n, keys, slot, lambda: st.gpu_path.slot(slot), s.gpu_slots, gpu.free)
+            return self._take_slots(s, n, keys, slot, lambda: path.slot(slot), s.gpu_slots, gpu.free)
 
     def _take_slots(self, s: Session, n: int, keys: list[bytes] | None, slot: int, take: Callable[[], int],
                     owned: dict[int, int], free: Callable[[int], None]) -> list[int | None]:
@@ -83,10 +85,10 @@ class StorePath:
                 owned[off] = slot
                 out.append(off)
         except TierFull:
-            for off in out:
-                if off is not None:
-                    owned.pop(off, None)
-                    free(off)
+            for given in out:
+                if given is not None:
+                    owned.pop(given, None)
+                    free(given)
             raise
         return out
 
@@ -161,6 +163,7 @@ class StorePath:
                    remote: bool = False, tokens: list[bytes] | None = None) -> int:
         """Publish GPU slots; their copies to host memory (then disk) go on in the background."""
         st = self.st
+        assert st.gpu is not None and st.gpup is not None and st.gpu_path is not None  # st.tier checked
         fks = [s.fp + k for k in keys]
         new: list[Block] = []
         committed: list[Block] = []
@@ -267,7 +270,9 @@ class StorePath:
     def abort(self, s: Session, offsets: list[int], gpu: bool) -> None:
         """Give back allocated slots without committing them."""
         st = self.st
+        pool: SlabAllocator | None
         pool, mine = (st.gpu, s.gpu_slots) if gpu else (st.host, s.slots)
+        assert pool is not None  # for GPU slots the caller's st.tier checked that the GPU tier is on
         with st.lock:
             for off in offsets:
                 if off in mine:

@@ -11,6 +11,7 @@ from tierkv.daemon.startup import make_disk_policy, make_host_policy
 from tierkv.tiers.disk import stored_size
 
 if TYPE_CHECKING:
+    from tierkv.cache.policy import Policy
     from tierkv.daemon.blockstore import BlockStore
 
 
@@ -48,7 +49,7 @@ def apply(st: BlockStore, new: Config, changed: set[str]) -> None:
         st.engine.store([])  # an empty job runs make_room: the disk shrinks to its new size
 
 
-def _swap_host_policy(st: BlockStore, policy, new: Config) -> None:
+def _swap_host_policy(st: BlockStore, policy: Policy, new: Config) -> None:
     """Same policy: new weights; another: it takes over every ready host block. Lock held."""
     if policy.name == st.hostp.policy.name:
         st.hostp.policy.update(**policy.settings())
@@ -59,12 +60,13 @@ def _swap_host_policy(st: BlockStore, policy, new: Config) -> None:
     st.hostp.policy = policy
 
 
-def _swap_disk_policy(st: BlockStore, policy, new: Config) -> None:
+def _swap_disk_policy(st: BlockStore, policy: Policy, new: Config) -> None:
     """Same policy: new weights (and reuse factor); another: it takes over every block on disk. Lock held."""
-    if policy.name == st.diskp.policy.name:
-        if hasattr(policy, "reuse"):
-            st.diskp.policy.reuse = policy.reuse
-        st.diskp.policy.update(**policy.settings())
+    current = st.diskp.policy
+    if policy.name == current.name:
+        if hasattr(policy, "reuse") and hasattr(current, "reuse"):  # one class: both have it or neither
+            current.reuse = policy.reuse
+        current.update(**policy.settings())
         return
     for b in st.table.records():
         if b.on_disk:

@@ -154,7 +154,8 @@ def ensure_converted(path: Path | None = None, *, out: TextIO | None = None) -> 
                                                              dtype=torch.float32)
             with _ticker("[3/3] saving safetensors", out, advance):
                 # The GGUF quantizer marks the model unserializable; the weights are plain float32 now.
-                model.hf_quantizer = None
+                # (torch's stub of Module.__setattr__ takes tensors and modules only.)
+                model.hf_quantizer = None  # type: ignore[assignment]
                 if hasattr(model.config, "quantization_config"):
                     del model.config.quantization_config
                 model.save_pretrained(str(tmp))

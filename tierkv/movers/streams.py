@@ -139,6 +139,7 @@ class CudaQueue:
         self._waiter.join(30)
 
 
+_ntcopy: Callable[[Any, Any], None] | None
 try:  # streaming-store copy (native/ntcopy.c); the GIL is released during the copy
     from tierkv._ntcopy import copy as _ntcopy
 except ImportError:  # pragma: no cover - the extension is optional
@@ -222,7 +223,8 @@ def make_queue(kind: str, name: str, device: int = 0, high_priority: bool = Fals
     if kind == "cuda":
         import torch
 
-        # (least, greatest) priority; the greatest is the most negative number
-        lo, hi = torch.cuda.Stream.priority_range()
+        # (least, greatest) priority; the greatest is the most negative number. torch's stub declares
+        # this static method as an instance method.
+        lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
         return CudaQueue(name, device, priority=hi if high_priority else lo, gate=gate)
     return ThreadQueue(name, gate=gate)

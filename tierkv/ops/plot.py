@@ -14,7 +14,10 @@ def series(samples: list[dict[str, Any]]) -> dict[str, Any]:
     if len(samples) < 2:
         raise ValueError("the daemon has fewer than 2 samples yet (one is taken every server.sample_interval_s)")
     t_end = samples[-1]["t"]
-    ts, fill, hits, links = [], {}, {}, {}
+    ts: list[float] = []
+    fill: dict[str, list[float]] = {}
+    hits: dict[str, list[float | None]] = {}
+    links: dict[str, list[float]] = {}
     for a, b in zip(samples, samples[1:]):
         dt = b["t"] - a["t"]
         if dt <= 0:

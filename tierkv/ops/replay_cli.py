@@ -77,12 +77,13 @@ def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -
             t.policy, t.admission = daemon.disk.policy, daemon.disk.admission
             t.policy_settings = {**t.policy_settings, "idle_aging": daemon.disk.idle_aging,
                                  "shadow_rate": daemon.disk.order_shadow_rate}
-        admission = {"shadow_rate": daemon.disk.shadow_rate, **config.admission_settings}
+        admission_settings = {"shadow_rate": daemon.disk.shadow_rate, **config.admission_settings}
         for pol in {t.policy for t in tiers}:
-            settings[pol] = {**daemon.policy_settings(pol), **settings.get(pol, {})}  # type: ignore[arg-type]
+            assert pol is not None  # every tier's policy was set above
+            settings[pol] = {**daemon.policy_settings(pol), **settings.get(pol, {})}
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
     if name == "default":
-        fields["admission_settings"] = admission
+        fields["admission_settings"] = admission_settings
     return ReplayConfig(**{**fields, "tiers": tiers, "policy_settings": settings})
 
 

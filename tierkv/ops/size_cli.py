@@ -18,10 +18,10 @@ def _shape(model: str | None, layers: int | None, kv_heads: int | None, head_dim
     if model is None:
         if latent_dim and layers:
             kv_heads, head_dim = kv_heads or 1, head_dim or latent_dim
-        if None in (layers, kv_heads, head_dim):
+        if layers is None or kv_heads is None or head_dim is None:
             raise click.UsageError("give a MODEL (preset or config.json) or --layers, --kv-heads and --head-dim "
                                    "(or --layers and --latent-dim)")
-        base = ModelShape("custom", layers, kv_heads, head_dim)  # type: ignore[arg-type]
+        base = ModelShape("custom", layers, kv_heads, head_dim)
     elif model.endswith(".json") or Path(model).is_dir():
         base = from_hf_config(model)
     else:

@@ -80,7 +80,9 @@ def _reuse_distances(w: Workload) -> tuple[list[int], list[tuple[int, int]], lis
 def _window_bytes(w: Workload, width: float, page_bytes: int) -> list[int]:
     """Distinct bytes touched in consecutive windows of ``width`` seconds."""
     reqs = w.requests
-    out, start, cur = [], 0, set()
+    out: list[int] = []
+    cur: set[int] = set()
+    start = 0
     for i, r in enumerate(reqs):
         if r.timestamp_s >= reqs[start].timestamp_s + width:
             out.append(len(cur) * page_bytes)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from tierkv.cache.policy import History, make_policy, policy_class
+from tierkv.cache.policy import History, Policy, make_policy, policy_class
 from tierkv.cache.policy.attention import AttentionPolicy
 from tierkv.cache.policy.placement import Placement
 from tierkv.cache.policy.reuse import ReuseModel
@@ -122,14 +122,14 @@ class Simulator:
         cost = self._recompute
         below = cfg.tiers[tier + 1] if tier + 1 < len(cfg.tiers) else None
 
-        def fn(key, size):
+        def fn(key: int, size: int) -> float:
             c = cost[key]
             if below is not None and below.read_bytes_per_s > 0:
                 c = min(c, cfg.page_bytes / below.read_bytes_per_s + below.latency_s)
             return c
         return fn
 
-    def _make_policy(self, name: str, tier: int):
+    def _make_policy(self, name: str, tier: int) -> Policy:
         cfg = self.config
         settings = dict(cfg.policy_settings.get(name, {}))
         known = policy_class(name).SETTINGS
@@ -203,8 +203,9 @@ class Simulator:
         k, n = 0, len(pages)
         while k < n and pages[k] in held:
             t = stack.fastest(pages[k])
-            hit_tokens[t] += toks[k]  # type: ignore[index]
-            load_b[t] += stack.page_bytes  # type: ignore[index]
+            assert t is not None  # the page is held
+            hit_tokens[t] += toks[k]
+            load_b[t] += stack.page_bytes
             k += 1
         self._hit_tok = sum(toks[:k])
         for rule in self._signals:

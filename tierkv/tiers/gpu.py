@@ -96,17 +96,17 @@ class DevicePool(SlabAllocator):
             torch.cuda.synchronize(self.index)
             cuda.free(self._ptr, self.index)
             self._ptr = 0
-        self._mm = _unmap(self._mm)
+        _unmap(self._mm)
+        self._mm = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
 
 def _unmap(mm: Any) -> None:
-    """Close a stand-in pool's mapping; returns None for the caller to store."""
+    """Close a stand-in pool's mapping (None: there is none)."""
     if mm is not None:
         try:
             mm.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the last reference
-    return None

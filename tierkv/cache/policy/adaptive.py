@@ -68,7 +68,10 @@ class AdaptivePolicy(AttentionPolicy):
     def rates(self) -> tuple[float, float]:
         """The return rates of once-used and of reused victims (decayed counts, prior 1/2)."""
         back, gone = self._back, self._gone
-        return tuple((back[c] + 1.0) / (back[c] + gone[c] + 2.0) for c in (0, 1))  # type: ignore[return-value]
+
+        def rate(c: int) -> float:
+            return (back[c] + 1.0) / (back[c] + gone[c] + 2.0)
+        return rate(0), rate(1)
 
     def _outcome(self, cls: int, returned: bool) -> None:
         s = self._settings

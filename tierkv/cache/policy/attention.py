@@ -268,6 +268,7 @@ class AttentionPolicy(HeapPolicy):
     def _refresh(self, n: int) -> None:
         """Move the refresh hand over ``n`` resident blocks: re-score, from the time each was scored
         at, those whose learned chance of a return moved by a factor of 2 or more."""
+        assert self.reuse is not None  # called only with a reuse model
         if self._hand_i >= len(self._hand):
             self._hand, self._hand_i = list(self._size), 0
         end = min(self._hand_i + n, len(self._hand))
@@ -275,7 +276,7 @@ class AttentionPolicy(HeapPolicy):
             old, scored = self._p.get(key), self._scored.get(key)
             if old is None or scored is None:
                 continue  # left the tier since the hand started
-            new = self.reuse(key)  # type: ignore[misc]
+            new = self.reuse(key)
             if abs(math.log2(max(new, 1e-300) / max(old, 1e-300))) >= 1.0:
                 self._scored_at = scored[1]
                 self._rescore(key)
@@ -337,7 +338,8 @@ class AttentionPolicy(HeapPolicy):
         size = self._size.get(key)
         if not super()._discard(key):
             return False
-        self._bytes -= size  # type: ignore[operator]
+        assert size is not None  # the block was resident
+        self._bytes -= size
         self._recent.pop(key, None)
         return True
 

@@ -25,10 +25,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 Clock = Callable[[], float]
 Protected = Callable[[Hashable], bool]
+K = TypeVar("K", bound=Hashable)
 
 
 def never(_key: Hashable) -> bool:
@@ -115,8 +116,9 @@ def walk_victims(segments: Iterable[Iterable[tuple[Hashable, int]]], nbytes: int
     return None
 
 
-class Policy(ABC):
-    """Chooses which blocks leave one tier. See the module docstring for the contract."""
+class Policy(ABC, Generic[K]):
+    """Chooses which blocks leave one tier. See the module docstring for the contract. ``K``: the type of
+    the keys its tier gives it."""
 
     name: ClassVar[str] = ""
     SETTINGS: ClassVar[dict[str, Setting]] = {}
@@ -128,19 +130,19 @@ class Policy(ABC):
 
     # -- membership ---------------------------------------------------------------------------
     @abstractmethod
-    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+    def on_insert(self, key: K, size: int, parent: K | None = None) -> None:
         """Record that ``key`` (``size`` bytes in this tier, child of ``parent``) entered the tier."""
 
     @abstractmethod
-    def on_access(self, key: Hashable) -> None:
+    def on_access(self, key: K) -> None:
         """Record a hit or use of a resident block."""
 
     @abstractmethod
-    def on_remove(self, key: Hashable) -> None:
+    def on_remove(self, key: K) -> None:
         """Forget a block that left the tier; unknown keys are ignored."""
 
     @abstractmethod
-    def victims(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
+    def victims(self, nbytes: int, protected: Callable[[K], bool] = never) -> list[K] | None:
         """Pick blocks to free at least ``nbytes``.
 
         Args:
@@ -152,7 +154,7 @@ class Policy(ABC):
             unprotected blocks are not enough. Membership is unchanged.
         """
 
-    def victims_past_busy(self, nbytes: int, protected: Protected = never) -> list[Hashable] | None:
+    def victims_past_busy(self, nbytes: int, protected: Callable[[K], bool] = never) -> list[K] | None:
         """Like :meth:`victims`, for a store that cannot wait: when the usual order finds too little, a
         block that must stay does not hold back the blocks ordered after it (a chain whose tail is
         being written gives up its parents). Same return as :meth:`victims`."""
@@ -165,14 +167,14 @@ class Policy(ABC):
     def __contains__(self, key: object) -> bool: ...
 
     # -- optional signals ---------------------------------------------------------------------
-    def referenced(self, key: Hashable, parent: Hashable | None = None) -> None:  # noqa: B027 - optional hook
+    def referenced(self, key: K, parent: K | None = None) -> None:  # noqa: B027 - optional hook
         """A request used ``key`` and the tier above this one did not hold it: a reference at this
         tier's level, whether this tier holds ``key`` or not (a lower tier's reference stream)."""
 
-    def on_touch(self, key: Hashable, mass: float) -> None:  # noqa: B027 - optional hook
+    def on_touch(self, key: K, mass: float) -> None:  # noqa: B027 - optional hook
         """Attention mass reported by a client for a resident block (1.0 = uniform)."""
 
-    def on_sharers(self, key: Hashable, sharers: int) -> None:  # noqa: B027 - optional hook
+    def on_sharers(self, key: K, sharers: int) -> None:  # noqa: B027 - optional hook
         """Live leases plus prefix children of a block changed to ``sharers``."""
 
     # -- settings -----------------------------------------------------------------------------
@@ -201,7 +203,7 @@ class HeapPolicy(Policy):
     :meth:`victims_past_busy` lets a child that must stay pass its turn to its parent.
     """
 
-    tails_first: ClassVar[bool] = False
+    tails_first = False  # a subclass's setting may change it per instance
 
     def __init__(self, *, clock: Clock = time.monotonic, **settings: Any) -> None:
         self._size: dict[Hashable, int] = {}

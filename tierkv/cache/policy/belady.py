@@ -4,6 +4,7 @@ runs in the simulator, as the ceiling the real policies are compared with."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import Any
 
 from tierkv.cache.policy.base import HeapPolicy, register
 
@@ -16,7 +17,7 @@ class BeladyPolicy(HeapPolicy):
     name = "opt"
     oracle = True
 
-    def __init__(self, *, next_use: Callable[[Hashable], float] | None = None, **kwargs) -> None:
+    def __init__(self, *, next_use: Callable[[Hashable], float] | None = None, **kwargs: Any) -> None:
         if next_use is None:
             raise ValueError("the opt policy needs next_use (it is only available in the simulator)")
         self.next_use = next_use

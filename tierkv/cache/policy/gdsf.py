@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import Any
 
 from tierkv.cache.policy.base import HeapPolicy, Setting, register
 
@@ -20,7 +21,7 @@ class GDSFPolicy(HeapPolicy):
         "cost": Setting(1.0, "miss cost of a block when no cost_fn is given", min=0.0),
     }
 
-    def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None, **kwargs) -> None:
+    def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None, **kwargs: Any) -> None:
         self.cost_fn = cost_fn
         self._freq: dict[Hashable, int] = {}
         super().__init__(**kwargs)

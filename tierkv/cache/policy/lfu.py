@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from typing import Any
 
 from tierkv.cache.policy.base import HeapPolicy, Setting, register
 
@@ -22,7 +23,7 @@ class LFUPolicy(HeapPolicy):
         "half_life_s": Setting(300.0, "seconds for an access count to halve (0 = no aging)", min=0.0),
     }
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         self._freq: dict[Hashable, float] = {}
         self._t: dict[Hashable, float] = {}
         super().__init__(**kwargs)

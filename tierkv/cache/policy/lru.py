@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Any
 
 from tierkv.cache.policy.base import Policy, Protected, never, register, walk_victims
 
@@ -15,7 +16,7 @@ class LRUPolicy(Policy):
 
     name = "lru"
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         self._order: OrderedDict[Hashable, int] = OrderedDict()  # key -> size, coldest first
         super().__init__(**kwargs)
 

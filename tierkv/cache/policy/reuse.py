@@ -249,10 +249,9 @@ class ReuseModel:
         if not isinstance(data, dict) or data.get("version") != COUNTS_VERSION \
                 or data.get("output_edges") != self._settings["output_edges"]:
             return False
-        parsed = [_class_counts(data.get(name)) for name in ("back", "gone")]
-        if parsed[0] is None or parsed[1] is None:
+        back, gone = _class_counts(data.get("back")), _class_counts(data.get("gone"))
+        if back is None or gone is None:
             return False
-        back, gone = parsed
         for cls in set(back) | set(gone):
             total = back.get(cls, 0.0) + gone.get(cls, 0.0)
             if total > keep:

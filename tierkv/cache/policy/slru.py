@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Any
 
 from tierkv.cache.policy.base import Policy, Protected, Setting, never, register, walk_victims
 
@@ -22,7 +23,7 @@ class SLRUPolicy(Policy):
                                       min=0.0, max=1.0),
     }
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         self._prob: OrderedDict[Hashable, int] = OrderedDict()
         self._prot: OrderedDict[Hashable, int] = OrderedDict()
         self._uses: dict[Hashable, int] = {}

@@ -86,7 +86,7 @@ def check_args(k_caches: Any, v_caches: Any, block_ids: Any, blocks: Any, layout
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {device}")
     num_blocks = int(first.shape[0])
-    geo_args = dict(num_layers=len(ks), heads=int(first.shape[h_dim]), tokens=int(first.shape[t_dim]),
+    geo_args: dict[str, Any] = dict(num_layers=len(ks), heads=int(first.shape[h_dim]), tokens=int(first.shape[t_dim]),
                     head_dim=int(first.shape[3]), num_engine_blocks=num_blocks, dtype=first.dtype,
                     device=device, s_blk=first.stride(0), s_tok=first.stride(t_dim), s_head=first.stride(h_dim))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -202,7 +203,7 @@ class AttachedLM:
             x = torch.tensor([[token]], dtype=torch.long, device=self._device)
             sampled = self.touch_every > 0 and step % self.touch_every == 0 and self._probe.usable
             if sampled:
-                logits, cache = self._probe.run(lambda x=x, cache=cache: self._fwd(x, cache))
+                logits, cache = self._probe.run(functools.partial(self._fwd, x, cache))
                 self._touch(stored, st)
             else:
                 logits, cache = self._fwd(x, cache)

@@ -30,6 +30,9 @@ __all__ = ["Committed", "StoreCommitter"]
 RESERVOIR_SHARE = 1 / 16  # free slots held ahead: at most this share of the host pool
 RECENT_STEPS = 16         # the reservoir aims at the largest store of this many recent steps
 
+# A submitted commit: client, keys, slots, the copy's ready event, prefix chains, token ids.
+_Item = tuple[Client, list[bytes], Slots, Any, Sequence[tuple[int, bytes | None]] | None, Any]
+
 
 @dataclass(slots=True)
 class Committed:
@@ -55,7 +58,7 @@ class StoreCommitter:
         self._free: list[int] = []            # offsets allocated on ``self._owner``, not handed out
         self._owner: Client | None = None
         self._recent: deque[int] = deque(maxlen=RECENT_STEPS)
-        self._queue: queue.SimpleQueue[tuple[Client, list[bytes], Slots, Any] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._done = Committed()
         self._pending = 0
         self._idle = threading.Condition(self._lock)

@@ -96,11 +96,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
+        assert ktc is not None  # the base class raised otherwise
         if ktc.kv_load_failure_policy != "recompute":
             # A block lost between lookup and load must cost a recompute, never the request.
             ktc.kv_load_failure_policy = "recompute"
         extra = dict(ktc.kv_connector_extra_config or {})
-        self._role = Role.of(ktc.kv_role)
+        self._kv_role = Role.of(ktc.kv_role)  # the base class's _role is vLLM's KVConnectorRole
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         self._groups, why = group_specs(kv_cache_config, cache_dtype)
         self._whole_requests = len(self._groups) > 1 or any(g.reach is not None for g in self._groups)
@@ -118,7 +119,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._transfers: GroupTransfers | None = None
         if role == KVConnectorRole.SCHEDULER and self._groups:
             self._planner = Planner([self._plan_group(i) for i in range(len(self._groups))],
-                                    self._groups[0].layout.block_tokens, stores=self._role.stores)
+                                    self._groups[0].layout.block_tokens, stores=self._kv_role.stores)
             link = self._planner.link
             self._meter = PrefillMeter(lambda tokens, seconds: link.call(
                 lambda c: c.report_recompute(tokens, seconds)))
@@ -144,15 +145,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             pages = _pages(g, kv_caches)
             if pages is None:
                 return
-            args = dict(model=model, layout=g.layout, tp_rank=rank, tp_size=self._tp_size,
-                        announce=False)  # the scheduler side says when the daemon goes and comes back
+            args: dict[str, Any] = dict(model=model, layout=g.layout, tp_rank=rank, tp_size=self._tp_size,
+                                        announce=False)  # the scheduler side says when the daemon goes and comes back
             # three connections: in-step loads (and a producer's stores), loads beside the step, and stores
             # committed behind the step (their slots and commits)
-            behind = self._role.stores and not self._role.commit_in_step
+            behind = self._kv_role.stores and not self._kv_role.commit_in_step
             parts.append(Transfers(
-                Link(self._socket, **args), pages, async_link=Link(self._socket, **args),  # type: ignore[arg-type]
-                committer=StoreCommitter(Link(self._socket, **args), g.layout.block_tokens)  # type: ignore[arg-type]
-                if behind else None, remote=self._role.write_through))
+                Link(self._socket, **args), pages, async_link=Link(self._socket, **args),
+                committer=StoreCommitter(Link(self._socket, **args), g.layout.block_tokens)
+                if behind else None, remote=self._kv_role.write_through))
         self._transfers = GroupTransfers(parts, self._whole_requests)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

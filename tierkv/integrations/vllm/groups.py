@@ -115,6 +115,8 @@ def _one(index: int, group: Any, cache_dtype: str) -> GroupSpec | str:
     layout = Layout(len(names), heads, head, bt, dtype)
     window = getattr(spec, "sliding_window", None)
     if "SlidingWindowSpec" in classes:
+        if window is None:
+            return f"sliding-window spec {type(spec).__name__} without a window"
         reach = int(window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0)
         return GroupSpec(index, "sliding", layout, names, int(window), reach)
     # a full-attention allocation whose layers slide (vLLM's hybrid allocator off): every block is kept

@@ -193,7 +193,9 @@ class VllmServer:
         req = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
-        ttft, parts, usage = None, [], {}
+        ttft: float | None = None
+        parts: list[str] = []
+        usage: dict[str, Any] = {}
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
                 line = raw.decode().strip()

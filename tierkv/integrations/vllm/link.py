@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tierkv.client.client import Client
 from tierkv.core.errors import ConnectionFailed, TierKVError
@@ -42,7 +42,7 @@ class Link:
     def __init__(self, socket: str | None, *, model: str, layout: Layout, tp_rank: int = 0, tp_size: int = 1,
                  clock: Callable[[], float] = time.monotonic, announce: bool = True) -> None:
         self.socket = socket
-        self._args = dict(model=model, layout=layout, tp_rank=tp_rank, tp_size=tp_size)
+        self._args: dict[str, Any] = dict(model=model, layout=layout, tp_rank=tp_rank, tp_size=tp_size)
         self._clock = clock
         self._client: Client | None = None
         self._next_try = 0.0

@@ -68,7 +68,7 @@ class VllmPages:
         self.layout = Layout(len(caches), heads, head_dim, tokens, name, kind=kind)
         self._cpu = self.device.type == "cpu"
         if kind == "latent":
-            self._k, self._v = list(self.caches), []
+            self._k, self._v = list(self.caches), list[torch.Tensor]()
         elif self._cpu:
             self._k, self._v = self._cpu_views()
         else:

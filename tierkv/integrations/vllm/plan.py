@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from tierkv.core.keys import KEY_BYTES, Namespace, chain_keys
 from tierkv.integrations.vllm.groups import GroupSpec, find_hit
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.meter import PrefillMeter
-from tierkv.integrations.vllm.ranks import ask_ranks, merge_plans
+from tierkv.integrations.vllm.ranks import ask_ranks, finished, merge_plans
 
 __all__ = ["BlockIO", "PlanGroup", "Planner", "PrefillMeter", "StepPlan", "salt_root"]
 
@@ -196,7 +197,7 @@ class Planner:
                 keys.extend(chain_keys(fp, tokens, bt, keys[-1] if keys else st.roots[g]))
         return [keys[:n_blocks] for keys in st.keys]
 
-    def _ask(self, g: int, fn: Callable[[Any], Any]) -> list[Any] | None:
+    def _ask(self, g: int, fn: Callable[..., Any]) -> list[Any] | None:
         """``fn(client)`` on every rank's connection of group ``g``; None when the daemon cannot answer
         for some rank (a failed connection is dropped and made again later)."""
         return ask_ranks(self.groups[g].links, fn)
@@ -370,7 +371,7 @@ class Planner:
             keys = st.keys[g][:st.stored_blocks]
             for link in group.links if keys else ():
                 try:
-                    link.call(lambda c, keys=keys: c.request_finished(keys, out))
+                    link.call(partial(finished, keys=keys, out=out))
                 except TierKVError:  # a hint (an older daemon may not know it): losing it costs no request
                     pass
         return st.keys[0][:st.stored_blocks]

@@ -45,3 +45,8 @@ def merge_plans(plans: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ready = [all(bool(p["ready"][i]) for p in plans) for i in range(count)]
     return {**plans[0], "count": count, "fetch": min(int(p["fetch"]) for p in plans), "ready": ready,
             "tiers": list(plans[0].get("tiers", []))[:count]}
+
+
+def finished(c: Any, keys: list[bytes], out: int | None) -> int:
+    """Tell one rank's daemon connection that a request ended (its chain ``keys``, tokens generated)."""
+    return int(c.request_finished(keys, out))

@@ -87,4 +87,5 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
         for field, per_engine in self._counters.items():
             value = transfer_stats_data.get(field, 0)
             if value:
-                per_engine[engine_idx].inc(value)
+                # vLLM's create_metric_per_engine returns any metric type; these are counters.
+                per_engine[engine_idx].inc(value)  # type: ignore[union-attr]

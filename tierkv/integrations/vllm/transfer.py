@@ -14,6 +14,7 @@ never waits for room: a host tier with no block to spare skips the store and cou
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -119,7 +120,7 @@ class Transfers:
         t0 = time.perf_counter()
         for io in loads:
             try:
-                n = self.link.call(lambda c, io=io: self._load_one(c, io))
+                n = self.link.call(functools.partial(self._load_one, io=io))
             except TierKVError as exc:
                 self._warn("a load (vLLM recomputes its blocks)", exc)
                 n = None
@@ -171,7 +172,8 @@ class Transfers:
                 chains.append((at, io.parent))
                 at += len(io.keys)
         # token ids for the daemon's KV events, when every request of the step has them
-        tokens = np.frombuffer(b"".join(io.tokens for io in stores if io.keys), dtype="<i4") \
+        tokens = np.frombuffer(b"".join(io.tokens for io in stores if io.keys and io.tokens is not None),
+                               dtype="<i4") \
             if all(io.tokens is not None for io in stores if io.keys) else None
         t0 = time.perf_counter()
         link = self.committer.link if self.committer is not None else self.link

@@ -28,12 +28,13 @@ def check_lmdb_version() -> tuple[int, int, int]:
     Raises:
         DiskError: an unknown liblmdb (its pages may not be laid out as this reader expects).
     """
-    version = tuple(int(v) for v in lmdb.version())
+    major, minor, patch = lmdb.version()
+    version = (int(major), int(minor), int(patch))
     if version[:2] not in KNOWN_LMDB:
         known = ", ".join(f"{a}.{b}.x" for a, b in KNOWN_LMDB)
         raise DiskError(f"liblmdb {'.'.join(map(str, version))} (py-lmdb {lmdb.__version__}) is not a version "
                         f"the disk tier's page reader knows ({known}); install an lmdb package that bundles one")
-    return version  # type: ignore[return-value]
+    return version
 
 
 # LMDB 0.9 on-disk format (mdb.c), 64-bit little-endian: a page starts with pgno u64, pad u16, flags u16,

@@ -14,7 +14,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,15 +126,15 @@ class DiskTier:
             except (OSError, ValueError, struct.error) as exc:
                 log.warning("disk scan: page walk failed (%s); reading values through LMDB", exc)
             if walked is None:
-                for key, value in txn.cursor():
-                    yield bytes(key), value
+                for raw, value in txn.cursor():
+                    yield bytes(raw), value
                 return
             whole, items = walked
             for key, off, size in items:
                 yield key, whole[off:off + size]
             unmap_pages(whole)  # the header and B-tree pages the scan touched (the page cache keeps them)
 
-    def write(self, puts: list[tuple[bytes, Any]], deletes: list[bytes] = ()) -> None:
+    def write(self, puts: list[tuple[bytes, Any]], deletes: Sequence[bytes] = ()) -> None:
         """Delete then put in one transaction, committed before returning: its data pages are synced,
         and it is durable once :meth:`flush` returns (or the next write's commit does).
 
@@ -349,8 +349,9 @@ class DiskTier:
         self.env.close()
         self._writeback.close()
         os.close(self._read_fd)
-        for fd in {self._direct_fd, self._direct_fd0} - {None}:
-            os.close(fd)
+        for fd in {self._direct_fd, self._direct_fd0}:
+            if fd is not None:
+                os.close(fd)
         self._direct_fd = self._direct_fd0 = None
 
 

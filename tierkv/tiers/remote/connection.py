@@ -41,7 +41,7 @@ _NO_DRIVER_INFO = ({"driver_info": None} if "driver_info" in inspect.signature(A
 class _ZeroCopy:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["command_packer"] = _PACKER
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
 
 
 class TcpConnection(_ZeroCopy, Connection):

@@ -195,8 +195,9 @@ class RemoteTier:
         limit = self.max_value_bytes
 
         def into(n: int) -> memoryview | None:
-            # np.empty: no zero-fill pass over a buffer the value overwrites anyway (bytearray(n) has one)
-            return memoryview(np.empty(n, np.uint8)) if n <= limit else None
+            # np.empty: no zero-fill pass over a buffer the value overwrites anyway (bytearray(n) has one).
+            # numpy's stubs declare ndarray's buffer protocol for Python 3.12+ only.
+            return memoryview(np.empty(n, np.uint8)) if n <= limit else None  # type: ignore[arg-type]
 
         def read(rd: Any, i: int) -> Any:
             r = rd.reply(into)
