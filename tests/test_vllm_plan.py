@@ -136,7 +136,7 @@ def test_the_connector_reports_vllms_role():
 
     ktc = SimpleNamespace(kv_load_failure_policy="recompute", kv_connector_extra_config={}, kv_role="kv_producer")
     cfg = SimpleNamespace(kv_transfer_config=ktc, parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                          model_config=SimpleNamespace(model="m"))
+                          model_config=SimpleNamespace(model="m"), cache_config=SimpleNamespace(cache_dtype="auto"))
     for role in KVConnectorRole:
         # no KV cache group: the connector is disabled and connects to no daemon
         c = connector.TierKVConnector(cfg, role, SimpleNamespace(kv_cache_groups=[]))
