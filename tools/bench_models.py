@@ -3,7 +3,7 @@ restarts) against recompute, and bytes loaded per hit against loading every bloc
 
 Architectures: SmolLM2-135M (full attention, the reference), and random-weight models larger than the
 tests' (``tierkv.integrations.random_models``, size ``bench``): Gemma-3 text (5 sliding-window layers per
-full one, window 512), Mistral (a 512-token window on every layer), DeepSeek-V2-style MLA (bfloat16).
+full one, window 512), Mistral (a 512-token window on every layer), DeepSeek-V2-style MLA (bfloat16, dense MLP layers: vLLM's CPU MoE router takes no ungrouped top-k).
 
 Per architecture, one after the other: a daemon and a vLLM server with the tierkv connector; the prompt
 (``--prompt-tokens`` token ids) is sent once and stored; vLLM restarts (its own cache empty); then ``--reps``

@@ -33,7 +33,7 @@ SIZES: dict[str, dict[str, Any]] = {
               "gemma3": dict(num_hidden_layers=12, num_key_value_heads=4, head_dim=64, pattern=5),
               "mistral": dict(num_hidden_layers=12, num_key_value_heads=4, head_dim=64),
               "deepseek": dict(num_hidden_layers=8, num_key_value_heads=8, qk_nope_head_dim=64, v_head_dim=64,
-                               first_k_dense_replace=1, n_routed_experts=8, moe_intermediate_size=256)},
+                               first_k_dense_replace=8, n_routed_experts=4, moe_intermediate_size=64)},
 }
 WINDOW = SIZES["tiny"]["window"]  # tokens a tiny sliding-window layer attends to: two 128-token CPU blocks
 
