@@ -1,7 +1,7 @@
 """Models beyond one full-attention group, through vLLM's real CPU build and a real daemon: Gemma-3 text
 (sliding-window and full-attention layers interleaved: two KV cache groups), Mistral with a sliding
 window on every layer, and DeepSeek-V2-style MLA (a 512 + 64 latent per token). The models are small,
-random-weight, made by the tests (``tests/tiny_models.py``).
+random-weight, made by the tests (``tests/tiny_models.py``, ``tierkv.integrations.random_models``).
 
 For each model three vLLM servers run one after another (a start costs most of a minute): vLLM alone
 answers a prompt twice (the second time from its own prefix cache); vLLM with tierkv answers it once
@@ -12,7 +12,6 @@ tests then compare what each saw.
 from __future__ import annotations
 
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,13 +33,6 @@ PROMPT = list(range(1000, 1000 + 900))  # 7 full blocks and a partial one
 HIT = (len(PROMPT) - 1) // BT * BT  # 896: every full block (one token is always computed)
 
 
-def metric(server: VllmServer, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.split("{")[0].split(" ")[0] == name)
-
-
 @dataclass
 class Run:
     """What one model's three servers answered."""
@@ -58,10 +50,10 @@ def _counters(server: VllmServer) -> dict[str, float]:
     """The connector's counters on vLLM's /metrics (they reach it with vLLM's periodic stats)."""
     names = ("hit_tokens", "load_bytes", "window_saved_bytes", "load_errors")
     deadline = time.monotonic() + 30
-    while metric(server, "vllm:tierkv_hit_tokens_total") < HIT and time.monotonic() < deadline:
+    while server.metric("vllm:tierkv_hit_tokens_total") < HIT and time.monotonic() < deadline:
         server.complete([1, 2, 3], max_tokens=1)
         time.sleep(0.5)
-    return {n: metric(server, f"vllm:tierkv_{n}_total") for n in names}
+    return {n: server.metric(f"vllm:tierkv_{n}_total") for n in names}
 
 
 def _run(arch: str, work: Path, daemon: Daemon) -> Run:

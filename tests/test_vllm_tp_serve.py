@@ -11,7 +11,7 @@ from tierkv.integrations.vllm.launch import VllmServer
 
 from . import tiny_models
 from .helpers import Daemon
-from .test_vllm_models import HIT, PROMPT, metric
+from .test_vllm_models import HIT, PROMPT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(1500)]
 
@@ -36,8 +36,8 @@ def test_tp2_after_a_restart_each_rank_loads_its_heads_and_vllm_answers_as_befor
         assert len({ns["blocks"] for ns in spaces}) == 1 and spaces[0]["blocks"] >= HIT // 128
         with server("restart") as s:
             loaded = s.complete(PROMPT)
-            hit = metric(s, "vllm:tierkv_hit_tokens_total")
-            errors = metric(s, "vllm:tierkv_load_errors_total")
+            hit = s.metric("vllm:tierkv_hit_tokens_total")
+            errors = s.metric("vllm:tierkv_load_errors_total")
         assert hit >= HIT and errors == 0, (hit, errors)
         assert loaded["tokens"] == computed["tokens"]
         assert loaded["logprobs"] == pytest.approx(computed["logprobs"], abs=1e-3)

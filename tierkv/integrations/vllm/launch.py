@@ -214,12 +214,15 @@ class VllmServer:
                          int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0),
                          int(usage.get("completion_tokens", 0)))
 
-    def complete(self, prompt: list[int], *, max_tokens: int = 8, logprobs: int = 1,
+    def complete(self, prompt: list[int], *, max_tokens: int = 8, logprobs: int = 1, salt: str | None = None,
                  timeout: float = 300.0) -> dict[str, Any]:
         """A greedy completion of token ids: ``tokens`` (the generated ids), ``logprobs`` (of each, by the
-        model), ``prompt_tokens`` and ``cached_tokens`` (served from vLLM's own cache or tierkv)."""
-        body = {"model": self.name, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
-                "logprobs": logprobs, "return_tokens_as_token_ids": True}
+        model), ``prompt_tokens`` and ``cached_tokens`` (served from vLLM's own cache or tierkv). ``salt``:
+        vLLM's ``cache_salt`` (no block stored under another salt is reused)."""
+        body: dict[str, Any] = {"model": self.name, "prompt": list(prompt), "max_tokens": max_tokens,
+                                "temperature": 0.0, "logprobs": logprobs, "return_tokens_as_token_ids": True}
+        if salt:
+            body["cache_salt"] = salt
         reply = self.post("/v1/completions", body, timeout=timeout)
         choice, usage = reply["choices"][0], reply.get("usage") or {}
         lp = choice.get("logprobs") or {}
@@ -227,6 +230,13 @@ class VllmServer:
                 "logprobs": [float(x) for x in lp.get("token_logprobs") or []],
                 "prompt_tokens": int(usage.get("prompt_tokens", 0)),
                 "cached_tokens": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)}
+
+    def metric(self, name: str) -> float:
+        """The sum of every series of ``name`` on the server's ``/metrics`` (0 when absent)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.split("{")[0].split(" ")[0] == name)
 
     def tokenize(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt token ids of a chat (vLLM's ``/tokenize``)."""
