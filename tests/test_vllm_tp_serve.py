@@ -10,7 +10,7 @@ import pytest
 from tierkv.integrations.vllm.launch import VllmServer
 
 from . import tiny_models
-from .helpers import Daemon
+from .helpers import Daemon, has_cuda
 from .test_vllm_models import HIT, PROMPT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(1500)]
@@ -42,5 +42,42 @@ def test_tp2_after_a_restart_each_rank_loads_its_heads_and_vllm_answers_as_befor
         assert loaded["tokens"] == computed["tokens"]
         assert loaded["logprobs"] == pytest.approx(computed["logprobs"], abs=1e-3)
         assert loaded["cached_tokens"] >= HIT
+    finally:
+        d.stop()
+
+
+def _cpu_fp8() -> bool:
+    """vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 (or AMX)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512f" in flags or " amx_tile" in flags
+
+
+# a GPU test that also runs where the CPU build can keep an fp8 cache
+@pytest.mark.skipif(not _cpu_fp8() and not has_cuda(), reason="an fp8 KV cache needs CUDA or a CPU with "
+                    "AVX-512/AMX (vLLM's CPU build refuses it on AVX2)")
+@pytest.mark.gpu if not _cpu_fp8() else pytest.mark.vllm
+def test_fp8_kv_cache_after_a_restart_loads_its_pages_as_stored(tmp_path):
+    """vLLM with ``--kv-cache-dtype fp8``: the pages go to tierkv as the cache holds them (an fp8
+    namespace), and a restarted vLLM loads them and answers the same tokens."""
+    model = tiny_models.make("llama", tmp_path / "models")
+    d = Daemon(tmp_path / "daemon", ["--host-capacity", "256MiB", "--slab-bytes", "8MiB"])
+    d.workdir.mkdir(parents=True, exist_ok=True)
+    d.start()
+    try:
+        def server(name: str) -> VllmServer:
+            return VllmServer(str(model), d.socket, tmp_path / f"vllm-fp8-{name}.log",
+                              args=["--kv-cache-dtype", "fp8"])
+
+        with server("store") as s:
+            computed = s.complete(PROMPT)
+        spaces = [ns for ns in d.stats()["namespaces"].values() if ns["model"].startswith(model.name)]
+        assert spaces and all("float8" in ns["layout"]["dtype"] for ns in spaces), spaces
+        with server("restart") as s:
+            loaded = s.complete(PROMPT)
+            assert s.metric("vllm:tierkv_hit_tokens_total") >= HIT
+        assert loaded["tokens"] == computed["tokens"]
     finally:
         d.stop()
