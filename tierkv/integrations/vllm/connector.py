@@ -103,6 +103,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(ktc.kv_connector_extra_config or {})
         self._kv_role = Role.of(ktc.kv_role)  # the base class's _role is vLLM's KVConnectorRole
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+        self._write_dtypes = (getattr(vllm_config.model_config, "dtype", None), cache_dtype)  # the CPU page check
         self._groups, why = group_specs(kv_cache_config, cache_dtype)
         self._whole_requests = len(self._groups) > 1 or any(g.reach is not None for g in self._groups)
         if self._whole_requests and not hasattr(KVConnectorBase_V1, "get_transfer_results"):
@@ -142,7 +143,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
         parts = []
         for g, model in zip(self._groups, self._models):
-            pages = _pages(g, kv_caches)
+            pages = _pages(g, kv_caches, *self._write_dtypes)
             if pages is None:
                 return
             args: dict[str, Any] = dict(model=model, layout=g.layout, tp_rank=rank, tp_size=self._tp_size,
@@ -284,7 +285,8 @@ def _describe(g: GroupSpec, model: str) -> str:
     return f"group {g.index} ({g.kind}{window}: {what}, {lo.dtype}) as {model!r}"
 
 
-def _pages(g: GroupSpec, kv_caches: dict[str, torch.Tensor]) -> VllmPages | None:
+def _pages(g: GroupSpec, kv_caches: dict[str, torch.Tensor], model_dtype: Any = None,
+           cache_dtype: str = "auto") -> VllmPages | None:
     """Group ``g``'s pages, checked against its spec (and, on the CPU, vLLM's own cache-write kernel)."""
     try:
         pages = VllmPages([kv_caches[n] for n in g.layer_names], g.layout.head_dim, kind=g.layout.kind,
@@ -296,20 +298,22 @@ def _pages(g: GroupSpec, kv_caches: dict[str, torch.Tensor]) -> VllmPages | None
         log.warning("tierkv: connector disabled: group %d's caches are %s, its KV spec says %s", g.index,
                     pages.layout, g.layout)
         return None
-    if pages.device.type == "cpu" and g.layout.kind == "kv" and not _cpu_pages_ok(pages):
+    if pages.device.type == "cpu" and g.layout.kind == "kv" and not _cpu_pages_ok(pages, model_dtype, cache_dtype):
         return None
     return pages
 
 
-def _cpu_pages_ok(pages: VllmPages) -> bool:
-    """Check the CPU page layout against vLLM's own cache-write kernel (a scratch block)."""
+def _cpu_pages_ok(pages: VllmPages, model_dtype: Any = None, cache_dtype: str = "auto") -> bool:
+    """Check the CPU page layout against vLLM's own cache-write kernel (a scratch block); an fp8 cache is
+    written from the model's dtype, as vLLM's attention layer writes it."""
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         lo = pages.layout
-        isa = _get_attn_isa(lo.torch_dtype, lo.block_tokens, lo.head_dim)
-        ok = cpu_layout_ok(pages, ops.cpu_attn_reshape_and_cache, isa)
+        src = model_dtype if lo.dtype.startswith("float8") and isinstance(model_dtype, torch.dtype) else lo.torch_dtype
+        isa = _get_attn_isa(src, lo.block_tokens, lo.head_dim)
+        ok = cpu_layout_ok(pages, ops.cpu_attn_reshape_and_cache, isa, src, cache_dtype)
     except Exception as exc:  # noqa: BLE001 - an unknown vLLM build: refuse rather than guess
         log.warning("tierkv: connector disabled: cannot check vLLM's CPU page layout (%s)", exc)
         return False

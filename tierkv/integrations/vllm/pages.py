@@ -167,21 +167,36 @@ class VllmPages:
             torch.cuda.current_stream(self.device).synchronize()
 
 
-def cpu_layout_ok(pages: VllmPages, write_op: Any, isa: str) -> bool:
+def cpu_layout_ok(pages: VllmPages, write_op: Any, isa: str, src_dtype: torch.dtype | None = None,
+                  kv_cache_dtype: str = "auto") -> bool:
     """Whether vLLM's CPU cache-write kernel puts K and V where :class:`VllmPages` reads them.
 
     Writes a known pattern for one block with ``write_op`` (vLLM's ``cpu_attn_reshape_and_cache``) into
-    a scratch cache of the same geometry, gathers it, and compares.
+    a scratch cache of the same geometry, gathers it, and compares byte for byte. An fp8 cache is written
+    from the model's dtype (``src_dtype``) with unit scales, as vLLM's attention layer writes it.
     """
     lo = pages.layout
     h, t, d = lo.num_kv_heads, lo.block_tokens, lo.head_dim
-    scratch = torch.zeros((1, h, t, 2 * d), dtype=lo.torch_dtype)
+    fp8 = lo.dtype.startswith("float8")  # vLLM's CPU fp8 cache is uint8 tensors holding fp8 bytes
+    scratch = torch.zeros((1, h, t, 2 * d), dtype=torch.uint8 if fp8 else lo.torch_dtype)
     grid = torch.arange(t * h * d, dtype=torch.float32).view(t, h, d) % 251
-    key, value = grid.to(lo.torch_dtype), (-grid - 1).to(lo.torch_dtype)
+    if fp8:  # values the fp8 format holds exactly: the kernel's rounding cannot blur the comparison
+        exact = torch.arange(256, dtype=torch.uint8).view(lo.torch_dtype).float()
+        exact = exact[torch.isfinite(exact) & (exact > 0) & (exact < 256)].unique()
+        grid = exact[torch.arange(t * h * d) % len(exact)].view(t, h, d)
+    src = src_dtype or lo.torch_dtype
+    key, value = grid.to(src), (-grid if fp8 else -grid - 1).to(src)
     kv = scratch.view(1, h, 2 * t, d)
     key_cache, value_cache = kv.chunk(2, dim=2)
-    write_op(key, value, key_cache, value_cache, torch.arange(t, dtype=torch.int64), isa)
-    probe = VllmPages([scratch], d)
+    if fp8:
+        write_op(key, value, key_cache, value_cache, torch.arange(t, dtype=torch.int64), isa,
+                 k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+    else:
+        write_op(key, value, key_cache, value_cache, torch.arange(t, dtype=torch.int64), isa)
+    probe = VllmPages([scratch], d, dtype=lo.dtype)
     out = torch.empty(lo.block_shape[:1] + (1,) + lo.block_shape[2:], dtype=lo.torch_dtype)
     probe.gather([0], [out])
-    return bool(torch.equal(out[0, 0], key.transpose(0, 1)) and torch.equal(out[1, 0], value.transpose(0, 1)))
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return bool(torch.equal(a.contiguous().view(torch.uint8), b.to(lo.torch_dtype).contiguous().view(torch.uint8)))
+    return same(out[0, 0], key.transpose(0, 1)) and same(out[1, 0], value.transpose(0, 1))
