@@ -26,7 +26,7 @@ from pathlib import Path
 
 import _serving_workloads as workloads
 from _serving_report import COLUMNS, _cell, _ratio, figures
-from bench_serving import block_bytes, run_one
+from bench_serving import add_run_args, block_bytes, run_one
 
 from tierkv.integrations.model import ensure_converted
 
@@ -66,17 +66,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--configs", default="single,pd", help="of: " + ",".join(CONFIGS))
     ap.add_argument("--workload", default="chat", choices=workloads.NAMES)
     ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--chat-rate", type=float, default=0.5, help="chat: mean requests/s")
-    ap.add_argument("--trace-rate", type=float, default=0.25, help="trace: mean requests/s")
-    ap.add_argument("--long-rate", type=float, default=0.04, help="long: requests/s")
-    ap.add_argument("--max-output", type=int, default=16, help="output tokens per request, at most")
-    ap.add_argument("--vllm-blocks", type=int, default=65, help="vLLM's own KV cache per instance, 128-token blocks")
-    ap.add_argument("--check-prompts", type=int, default=2, help="fixed prompts of the greedy check")
-    ap.add_argument("--check-tokens", type=int, default=24, help="greedy reply tokens per check prompt")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work", help="folder for logs and tiers (default: a temporary one, removed at the end)")
-    ap.add_argument("--out", default="bench-results/bench_pd.json")
-    ap.add_argument("--report", metavar="JSON", help="print the table of a saved run and exit (nothing runs)")
+    add_run_args(ap, chat_rate=0.5, check_prompts=2, out="bench-results/bench_pd.json")
     return ap.parse_args()
 
 

@@ -101,20 +101,26 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--pressures", default="full,quarter", help="of: " + ",".join(PRESSURES))
     ap.add_argument("--requests", type=int, default=200, help="requests of the trace and chat workloads")
     ap.add_argument("--long-requests", type=int, default=60, help="requests of the long workload")
-    ap.add_argument("--trace-rate", type=float, default=0.25, help="trace: mean requests/s (the clock stretched)")
-    ap.add_argument("--chat-rate", type=float, default=0.15, help="chat: mean requests/s")
-    ap.add_argument("--long-rate", type=float, default=0.04, help="long: requests/s")
     ap.add_argument("--trace-start", type=int, default=workloads.TRACE_START, help="trace: first row of the window")
     ap.add_argument("--trace-chunk", type=int, default=16, help="trace: tokens per 512-token id")
+    add_run_args(ap, chat_rate=0.15, check_prompts=5, out="bench-results/bench_serving.json")
+    return ap.parse_args()
+
+
+def add_run_args(ap: argparse.ArgumentParser, *, chat_rate: float, check_prompts: int, out: str) -> None:
+    """The options every serving benchmark takes: workload rates, output length, vLLM's cache, the
+    greedy check, seed, work folder, output and ``--report``."""
+    ap.add_argument("--trace-rate", type=float, default=0.25, help="trace: mean requests/s (the clock stretched)")
+    ap.add_argument("--chat-rate", type=float, default=chat_rate, help="chat: mean requests/s")
+    ap.add_argument("--long-rate", type=float, default=0.04, help="long: requests/s")
     ap.add_argument("--max-output", type=int, default=16, help="output tokens per request, at most")
-    ap.add_argument("--vllm-blocks", type=int, default=65, help="vLLM's own KV cache, blocks of 128 tokens")
-    ap.add_argument("--check-prompts", type=int, default=5, help="fixed prompts of the greedy check")
+    ap.add_argument("--vllm-blocks", type=int, default=65, help="vLLM's own KV cache per instance, 128-token blocks")
+    ap.add_argument("--check-prompts", type=int, default=check_prompts, help="fixed prompts of the greedy check")
     ap.add_argument("--check-tokens", type=int, default=24, help="greedy reply tokens per check prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", help="folder for logs and tiers (default: a temporary one, removed at the end)")
-    ap.add_argument("--out", default="bench-results/bench_serving.json")
-    ap.add_argument("--report", metavar="JSON", help="print the tables of a saved run and exit (nothing runs)")
-    return ap.parse_args()
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--report", metavar="JSON", help="print the table(s) of a saved run and exit (nothing runs)")
 
 
 def main() -> None:
