@@ -163,3 +163,15 @@ def test_bad_tokens_are_refused_and_store_nothing(daemon):
         slots.commit(keys, tokens=toks)  # the slots stayed committable
         assert c.lookup(keys) == 2
     assert msgpack  # the wire is msgpack (imported for readers of this module)
+
+
+@pytest.mark.parametrize("endpoint", ["foo", "tcp://127.0.0.1:99999", "tcp://127.0.0.1"])
+def test_bad_endpoints_are_one_line_errors(tmp_path, endpoint):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tierkv", "serve", "--kv-events", endpoint, "--socket",
+                        str(tmp_path / "s"), "--data-dir", str(tmp_path / "d")], capture_output=True, text=True,
+                       timeout=60, env={**__import__("os").environ, "TIERKV_NO_REEXEC": "1"})
+    assert r.returncode == 2 and "events.endpoint" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

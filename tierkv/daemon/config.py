@@ -248,6 +248,9 @@ def _check_events(e: EventsConfig) -> None:
         value = getattr(e, name)
         if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"events.{name} must be a tcp://, ipc:// or inproc:// endpoint, got {value!r}")
+        port = value[len("tcp://"):].rpartition(":")[2] if value.startswith("tcp://") else "0"
+        if not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+            raise ValueError(f"events.{name}: {value!r} needs a port within 0..65535 (tcp://*:5557)")
     if e.replay_endpoint and not e.endpoint:
         raise ValueError("events.replay_endpoint needs events.endpoint")
     if not 1 <= e.buffer_steps <= 1 << 20 or not 1 <= e.interval_ms <= 10_000:
