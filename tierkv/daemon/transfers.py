@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from tierkv.cache.block import Block
+from tierkv.cache.block import Block, LoadSignal
 from tierkv.core.keys import Namespace
 from tierkv.daemon.jobs import completion, moves, settle
 from tierkv.movers.transfer import Job, Move
@@ -157,7 +157,7 @@ class Transfers:
         st.engine.load_remote(st.remote, self._moves(blocks), on_done=completion(st.changed, blocks, each))
 
 
-def ready_after(b: Block, ev: threading.Event | None) -> Any:
+def ready_after(b: Block, ev: LoadSignal | None) -> Any:
     """For a copy out of ``b``'s host slot: wait until a load into that slot finished; False if it failed."""
     def ready() -> bool:
         if ev is not None:
