@@ -39,7 +39,7 @@ class LookupIndex:
 
     def __init__(self, slots: int) -> None:
         if not _BUILT:
-            raise RuntimeError("tierkv._lookup is not built")
+            raise RuntimeError("tierkv._native._lookup is not built")
         nbytes = HEADER_BYTES + 8 * slots
         self.fd = os.memfd_create("tierkv-lookup", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
