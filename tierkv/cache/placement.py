@@ -3,13 +3,17 @@
 Decisions only, plain code with no threads and no I/O; the daemon's store holds its lock around every
 call and starts the transfers these decisions ask for. One class per tier:
 
-- :class:`DiskPlacement`: bytes on disk, the disk policy, the victims that make room for a write.
+- :class:`DiskPlacement`: bytes on disk (and reserved for writes in flight), the disk policy, the
+  victims that make room for a write.
 - :class:`HostPlacement`: host slots, the host policy, admission to disk, demotion between the
   watermarks and the write-behind batch.
 - :class:`GpuPlacement`: device slots under plain recency (clean once drained).
 
 ``cfg`` is the daemon's settings object (``host``, ``disk``, ``remote`` sections); ``tierkv tune``
 replaces it.
+
+Each class also settles the transfers that end in its tier: the block's copy, the policy's entry and the
+counters (hits, bytes, promotions) change in one place, when the daemon hands it a mover's result.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class DiskPlacement:
         self.capacity = capacity   # the disk tier's capacity (``tune disk.capacity`` changes it)
         self.stored_size = stored_size  # bytes a value of n bytes takes in the tier (its page rounding)
         self.used = 0
+        self.reserved = 0  # estimated bytes of writes queued or in flight (room made for them)
         self.stats = TierCounters()
 
     def added(self, b: Block) -> None:
@@ -76,13 +81,13 @@ class DiskPlacement:
         Raises:
             TierFull: nothing can be dropped.
         """
-        cap = self.capacity()
+        cap, used = self.capacity(), self.used + self.reserved
         limit = self.cfg.disk.high_watermark * cap
-        if self.used + incoming <= limit:
+        if used + incoming <= limit:
             return []
-        target = self.used + incoming - self.cfg.disk.low_watermark * cap
+        target = used + incoming - self.cfg.disk.low_watermark * cap
         victims = self.policy.victims(int(target), self.protected) or \
-            self.policy.victims(int(self.used + incoming - limit), self.protected)
+            self.policy.victims(int(used + incoming - limit), self.protected)
         if victims is None:
             raise TierFull("disk tier is full and nothing can be dropped")
         for fk in victims:
@@ -92,6 +97,49 @@ class DiskPlacement:
             if b.host_off is None and b.gpu_off is None:
                 self.forget(b)
         return list(victims)
+
+    # ---- writes -----------------------------------------------------------------------------------
+    def estimate(self, nbytes: int) -> int:
+        """About the bytes a block of ``nbytes`` takes on disk (at the compression so far)."""
+        s = self.stats
+        ratio = s.bytes_stored / s.bytes_logical if s.bytes_logical > 0 else 1.0
+        return self.stored_size(max(1, int(nbytes * ratio)))
+
+    def room_for_write(self, blocks: list[Block]) -> tuple[list[bytes], int]:
+        """Make room for a write of ``blocks``: the keys to delete with it, and the bytes reserved for it
+        until :meth:`write_settled`.
+
+        Raises:
+            TierFull: nothing can be dropped (nothing is reserved).
+        """
+        incoming = sum(self.estimate(b.nbytes) for b in blocks)
+        deletes = self.room(incoming)
+        self.reserved += incoming
+        return deletes, incoming
+
+    def written(self, b: Block, stored_bytes: int) -> None:
+        """A write put ``b``'s value on disk (``stored_bytes`` long); a block removed or counted meanwhile
+        stays as it is."""
+        if b.on_disk or b.fk not in self.table:
+            return
+        b.on_disk = True
+        b.disk_bytes = stored_bytes
+        self.added(b)
+        self.stats.bytes_in += b.nbytes
+
+    def write_settled(self, reserved: int, failed: bool) -> None:
+        """A write finished: its reservation ends (its values are counted by :meth:`written`)."""
+        self.reserved -= reserved
+        self.stats.errors += failed
+
+    def read_failed(self, error: str) -> bool:
+        """Count a value that did not load; True when it is bad (absent, corrupt: delete it), False for
+        an I/O error (the disk, not the value)."""
+        if error.startswith("io"):
+            self.stats.errors += 1
+            return False
+        self.stats.corrupt += 1
+        return True
 
 
 class HostPlacement:
@@ -164,6 +212,19 @@ class HostPlacement:
         elif b.gpu_off is None:
             self.disk.forget(b)
 
+    def loaded(self, b: Block, source: TierCounters, promotion: bool = False) -> None:
+        """A load filled ``b``'s host slot: a hit of ``source`` (a promotion, if it counts as one)."""
+        self.inserted(b)
+        source.hits += 1
+        source.bytes_out += b.nbytes
+        self.stats.promotions += promotion
+
+    def load_failed(self, b: Block, source: TierCounters) -> None:
+        """A load into ``b``'s host slot failed: a miss of ``source``; the block is dropped everywhere."""
+        self.free_failed(b)
+        source.misses += 1
+        self.disk.forget(b)
+
     def free_failed(self, b: Block) -> None:
         """Give back the slot of a load that failed; the block is never served from it."""
         assert b.host_off is not None
@@ -223,9 +284,7 @@ class HostPlacement:
 
     def _disk_size(self, b: Block) -> int:
         """About the bytes ``b`` would take on disk (its size at the disk's compression so far)."""
-        s = self.disk.stats
-        ratio = s.bytes_stored / s.bytes_logical if s.bytes_logical > 0 else 1.0
-        return self.disk.stored_size(max(1, int(b.nbytes * ratio)))
+        return self.disk.estimate(b.nbytes)
 
     # ---- demotion ---------------------------------------------------------------------------------
     def demotion(self, force: bool) -> list[Block]:

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 from tierkv.cache.block import Block, Session
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace
-from tierkv.daemon.jobs import completion, same, settle
-from tierkv.daemon.transfers import ready_after
+from tierkv.daemon.settle import completion, settle
+from tierkv.daemon.tier_jobs import ready_after
+from tierkv.movers.jobs import Job
 from tierkv.movers.streams import Copy
 from tierkv.tiers.host import slot_size_for
 
@@ -100,11 +101,11 @@ class GpuPath:
             if ev is not None:
                 ev.set()
 
-        def locked(_cs: list[Copy]) -> None:
+        def locked(_job: Job) -> None:
             st.transfers.write_through([b for b in blocks if b.host_off is not None])
 
-        st.engine.to_host(copies, completion(st.changed, blocks, each, results=same, locked=locked,
-                                             after=lambda _cs: st.evictor.kick()))
+        st.engine.submit(("gpu", "host"), copies, completion(st.changed, blocks, each, locked=locked,
+                                                             after=lambda _job: st.evictor.kick()))
 
     # ---- promotions -------------------------------------------------------------------------------
     def promote(self, s: Session, ns: Namespace, keys: list[bytes], lease: bool) -> tuple[list[Block], list[str]]:
@@ -191,7 +192,7 @@ class GpuPath:
             if ev is not None:
                 ev.set()
 
-        st.engine.to_device(copies, completion(st.changed, moving, each, results=same))
+        st.engine.submit(("host", "gpu"), copies, completion(st.changed, moving, each))
 
 
 def check_gpu(st: BlockStore) -> None:
