@@ -88,16 +88,8 @@ class GpuPath:
         def each(b: Block, c: Copy) -> None:
             ev = settle(b)
             b.gpu_leases -= 1
-            if c.ok:
-                b.draining = False
-                st.hostp.inserted(b)
-                st.hostp.stats.bytes_in += b.nbytes
-                self.gpup.stats.demotions += 1
-            else:
-                st.hostp.free_failed(b)
-                self.gpup.stats.errors += 1
-                if b.draining:
-                    self.undrained.append(b)  # the GPU copy is the only one: try again later
+            if self.gpup.drained(b, st.hostp, c.ok):
+                self.undrained.append(b)  # the GPU copy is the only one: try again later
             if ev is not None:
                 ev.set()
 
@@ -181,14 +173,7 @@ class GpuPath:
         def each(b: Block, c: Copy) -> None:
             ev = settle(b, "gpu_loading")
             b.leases -= 1
-            if c.ok:
-                self.gpup.inserted(b)
-                self.gpup.stats.promotions += 1
-                self.gpup.stats.bytes_in += b.nbytes
-            else:  # its source never arrived (a bad disk value): a miss, never served
-                assert b.gpu_off is not None  # set when the promotion started
-                self.gpu.free(b.gpu_off)
-                b.gpu_off = None
+            self.gpup.promoted(b, c.ok)  # a failed copy (its source never arrived) is a miss, never served
             if ev is not None:
                 ev.set()
 
