@@ -175,5 +175,7 @@ def test_the_store_chooses_the_deletes_its_disk_writes_carry(tmp_path: Path) -> 
             assert st.diskp.reserved == 0 and st.diskp.used <= cfg.disk.high_watermark * cfg.disk.capacity
             on_disk = {b.fk for b in st.table.records() if b.on_disk}
         assert st.disk is not None and _stored(st.disk) == on_disk
+        assert st.verify() == {"checked": len(on_disk), "bad": [], "dropped": 0}
+        assert (VERIFY, []) in submitted  # the store's verify is a mover job
     finally:
         st.close(5.0)
