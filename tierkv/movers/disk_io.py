@@ -189,7 +189,7 @@ class DiskMover:
             all_moves += job.moves
         i = 0
         while i < len(all_moves):
-            # A transaction of about write_batch_bytes: large enough to amortise its two fsyncs, small
+            # A transaction of about writes.batch_bytes: large enough to amortise its two fsyncs, small
             # enough that the next batch encodes while this one is written.
             j, size = i, 0
             while j < len(all_moves) and (j == i or size < self.writes.batch_bytes) and j - i < self.writes.batch:
