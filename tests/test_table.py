@@ -158,17 +158,15 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
 def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     import dataclasses
 
-    from tierkv.daemon import tuning
-
     t = make_table()  # admission "all": the disk policy has no reuse factor
     pol = t.diskp.policy
     assert pol.reuse is None
     for mode, weighted in (("predicted", True), ("all", False), ("predicted", True)):
         new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, admission=mode))
-        tuning.apply(t, new, {"disk.admission"})
+        t.apply(new, {"disk.admission"})
         assert t.diskp.policy is pol and (pol.reuse is not None) == weighted
     new = dataclasses.replace(t.cfg, policy={**t.cfg.policy, "beta": 0.7})
-    tuning.apply(t, new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
+    t.apply(new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
     assert pol.settings()["beta"] == 0.7 and pol.reuse is not None
     rule = t.admission  # make its two models disagree: a return past the eviction model's shorter list
     rule.update(ghost_entries=100, evict_horizon=0.5)
@@ -187,15 +185,13 @@ def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
 def test_disk_policy_ages_by_idle_time_and_tune_changes_it(make_table):
     import dataclasses
 
-    from tierkv.daemon import tuning
-
     t = make_table()
     pol = t.diskp.policy
     assert pol.settings()["idle_aging"] == t.cfg.disk.idle_aging == 0.5 and pol.tau > 0
     assert t.hostp.policy.settings()["idle_aging"] == 0.0  # the host keeps the GDSF aging clock
     for scale in (1.5, 0.0):
         new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, idle_aging=scale))
-        tuning.apply(t, new, {"disk.idle_aging"})
+        t.apply(new, {"disk.idle_aging"})
         assert t.diskp.policy is pol and pol.settings()["idle_aging"] == scale
     assert pol.tau == 0.0
 

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block
 from tierkv.codecs import CodecError, decode_block, read_header
 from tierkv.core.errors import TierKVError
 from tierkv.core.keys import FINGERPRINT_BYTES
 from tierkv.core.layout import Layout
-
-if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
+from tierkv.daemon.parts import ScrubParts
 
 log = logging.getLogger("tierkv.table")
 
 
-def _record(st: BlockStore, lk: bytes, value: memoryview) -> bool:
+def _record(st: ScrubParts, lk: bytes, value: memoryview) -> bool:
     """Record a stored value whose header names the key's namespace; False for a bad one."""
     try:
         h = read_header(value)
@@ -31,7 +28,7 @@ def _record(st: BlockStore, lk: bytes, value: memoryview) -> bool:
     return True
 
 
-def scan_disk(st: BlockStore) -> None:
+def scan_disk(st: ScrubParts) -> None:
     """Rebuild records of every block on disk; a value with a bad header is dropped."""
     assert st.disk is not None
     t0 = time.perf_counter()
@@ -46,7 +43,7 @@ def scan_disk(st: BlockStore) -> None:
              time.perf_counter() - t0)
 
 
-def _recheck(st: BlockStore, lk: bytes) -> bool:
+def _recheck(st: ScrubParts, lk: bytes) -> bool:
     """Re-check a value the start-up scan found bad, read through LMDB; a good one is recorded."""
     assert st.disk is not None
 
@@ -61,7 +58,7 @@ def _recheck(st: BlockStore, lk: bytes) -> bool:
         return False
 
 
-def verify(st: BlockStore, drop: bool = False) -> dict:
+def verify(st: ScrubParts, drop: bool = False) -> dict:
     """Decode every disk value (header, sizes, checksum); report bad ones and optionally drop them."""
     if st.disk is None:
         return {"checked": 0, "bad": [], "dropped": 0}

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tierkv.cache.block import Block
 from tierkv.core.keys import Namespace
 from tierkv.daemon.jobs import completion, moves, settle
+from tierkv.daemon.parts import TransferParts
 from tierkv.movers.transfer import Job, Move
-
-if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
 
 log = logging.getLogger("tierkv.table")
 
@@ -26,7 +24,7 @@ log = logging.getLogger("tierkv.table")
 class Transfers:
     """Starts the store's host <-> disk and host <-> remote jobs."""
 
-    def __init__(self, st: BlockStore) -> None:
+    def __init__(self, st: TransferParts) -> None:
         self.st = st
         self._inflight: dict[bytes, Job] = {}  # remote writes not finished yet, by block
 
