@@ -155,6 +155,40 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
     assert _get(t, s, keys)[0] == data
 
 
+def test_a_gpu_slot_waits_for_drains_up_to_slot_wait_s_and_wakes_when_they_end(make_table):
+    import threading
+
+    t = make_table(gpu=True)
+    s = _session(t)
+    held = _HeldCopies(t)
+    keys = _keys(t.gpu.capacity // BLOCK)
+    offs, _data = _fill_gpu(t, s, keys)
+    t.commit(s, keys, offs, tier="gpu")  # every GPU slot is the only copy of a block until its drain ends
+    t.cfg.server.slot_wait_s = 0.3
+    t0 = time.monotonic()
+    with pytest.raises(TierFull):
+        t.alloc(s, 1, tier="gpu")
+    assert 0.3 <= time.monotonic() - t0 < 5.0, "the wait ends at server.slot_wait_s"
+    t.cfg.server.slot_wait_s = 60.0
+    drains = threading.Timer(0.3, held.run)
+    drains.start()
+    t0 = time.monotonic()
+    assert t.alloc(s, 1, tier="gpu") != [None]
+    assert time.monotonic() - t0 < 10.0, "a drain's completion wakes the waiting request"
+    drains.join()
+
+
+def test_a_host_slot_waits_for_the_writer_and_never_drops_a_block_it_can_write(make_table):
+    t = make_table(capacity=1 << 20)
+    t.cfg.server.slot_wait_s = 60.0
+    s = _session(t)
+    _put(t, s, _keys(t.host.capacity // BLOCK))  # dirty: each worth writing before it may leave
+    t0 = time.monotonic()
+    assert t.alloc(s, 1) != [None]
+    assert time.monotonic() - t0 < 10.0, "the write's completion wakes the waiting request"
+    assert t.hostp.stats.dropped_unwritten == 0
+
+
 def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     import dataclasses
 

@@ -1,17 +1,11 @@
-"""The block store: the wiring of the daemon's tiers, the block table, the placements over them, the
-transfer engine and the paths that use them. Every request handler calls one public method here; each
-delegates to the object that owns the work: :mod:`~tierkv.daemon.storepath` (alloc, commit),
-:mod:`~tierkv.daemon.fetchpath` (lookup, fetch, wait), :mod:`~tierkv.daemon.gpupath` (drains,
-promotions), :mod:`~tierkv.daemon.slots`, :mod:`~tierkv.daemon.retention` (pins, windows, deletes),
-:mod:`~tierkv.daemon.signals`, :mod:`~tierkv.daemon.sessions`, :mod:`~tierkv.daemon.evictor` (and the
-shutdown flush), :mod:`~tierkv.daemon.tuning`, :mod:`~tierkv.daemon.snapshot` and
-:mod:`~tierkv.daemon.scrub`. All of them share one :class:`~tierkv.daemon.context.Context` (lock,
-condition, settings, closing flag); waits on transfers happen outside the lock.
-"""
+"""The block store: the wiring of the daemon's tiers, block table, placements and transfer engine with
+the objects that do the work, which share one :class:`~tierkv.daemon.context.Context` (lock, condition,
+settings, closing flag). Every request handler calls one public method here, and each hands the request
+to its owner: the store, fetch and GPU paths, the slots, retention, signals, sessions, the evictor (and
+the shutdown flush), tuning, snapshots and scrub. Waits on transfers happen outside the lock."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +41,7 @@ if TYPE_CHECKING:
     from tierkv.tiers.gpu import DevicePool
 
 HISTORY_ENTRIES = 1 << 16
+LeaseReply = tuple[int, list[int], list[str]]  # (lease id, slot offsets of the leased prefix, tier each came from)
 
 
 class BlockStore:
@@ -57,23 +52,19 @@ class BlockStore:
 
     def __init__(self, cfg: Config, data_dir: str) -> None:
         """Open the tiers, rebuild the records of what is on disk and start the evictor."""
-        self.ctx = ctx = Context(cfg)
+        self.ctx, self.data_dir = Context(cfg), data_dir
+        self.lock, self.changed = self.ctx.lock, self.ctx.changed
         self.table = table = BlockTable(cfg.server.lookup_index_slots)
         self.tiers = open_tiers(cfg, data_dir)
         self.host, self.disk, self.remote, self.gpu = self.tiers.host, self.tiers.disk, self.tiers.remote, None
-        # One use history for both tiers (heat survives demotion), bounded so that a stream of
-        # one-shot keys cannot grow the daemon's memory (~150 B a record).
+        # One use history for both tiers (heat survives demotion), bounded (~150 B a record). The host's
+        # reuse model has no generated-token classes: it scores a block while its request runs. The
+        # admission rule counts each request once (its own history); the policies count uses with decay.
         self.history = History(max_entries=HISTORY_ENTRIES)
-        # Which host blocks come back once they leave host memory (the host policy's reuse term). The
-        # host policy scores a block while its request runs, before the generated-token count is
-        # known, so that count is not one of its classes.
         self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES, output_edges="")
-        # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
-        # history: the policies count uses with decay, admission counts each request once.
         self.admission = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
                                    ghost_entries=HISTORY_ENTRIES // 2, shadow_rate=cfg.disk.shadow_rate)
         self.admission.unit = self.history.branch  # the shadow samples branches, as the host's does
-        self.data_dir = data_dir
         learned.load(learned_models(self.host_reuse, self.admission), data_dir)
         self.diskp = DiskPlacement(table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg,
                                    lambda: self.disk.capacity if self.disk is not None else 0, stored_size)
@@ -88,10 +79,7 @@ class BlockStore:
                                    lambda: self.engine.store_backlog() == 0)
         self.remote_stats = TierCounters()
         self.gpup = self._attach_gpu()
-        self._wire_paths()
-        self.events = open_events(cfg.events, table, ctx.lock, data_dir if self.disk is not None else None)
-        self.snapshots = Snapshots(ctx, table, self.tiers, self.hostp, self.diskp, self.gpup, self.host_reuse,
-                                   self.admission, self.engine, self.events, self.remote_stats)
+        self._wire()
         if self.disk is not None:
             scrub.scan_disk(self)
         if self.events is not None:
@@ -100,8 +88,7 @@ class BlockStore:
 
     def _attach_gpu(self) -> GpuPlacement | None:
         """The GPU tier's placement (device slots are few and clean once drained: plain recency)."""
-        gpu = self.tiers.gpu
-        if gpu is None:
+        if (gpu := self.tiers.gpu) is None:
             return None
         try:
             self.engine.attach_device(gpu, self.host)
@@ -111,47 +98,37 @@ class BlockStore:
         self.gpu = gpu
         return GpuPlacement(self.table, gpu, _lru("lru"), self.diskp)
 
-    def _wire_paths(self) -> None:
+    def _wire(self) -> None:
         """Make the paths, each with the few objects it uses."""
-        ctx, table, host, hostp, engine, disk_on = self.ctx, self.table, self.host, self.hostp, self.engine, \
-            self.disk is not None
-        self.transfers = Transfers(self)
-        self.evictor = Evictor(ctx, table, hostp, self.transfers, engine, disk_on)
-        self.slots = Slots(ctx, hostp, self.gpup, self.evictor.kick)
-        self.gpu_path = None if self.gpu is None or self.gpup is None else GpuPath(
-            ctx, table, host, self.gpu, self.gpup, hostp, self.slots, self.transfers, engine, self.evictor.kick)
-        self.evictor.drains = self.gpu_path
-        self.signals = Signals(ctx, table, hostp, self.diskp, self.host_reuse, self.admission, disk_on)
-        self.store_path = StorePath(ctx, table, host, hostp, self.slots, self.transfers, self.signals,
-                                    self.evictor.kick, disk_on, self.remote, self.gpu_path)
-        self.fetch_path = FetchPath(ctx, table, host, hostp, self.slots, self.transfers, self.signals, engine,
+        ctx, table, host, hostp, diskp, engine = self.ctx, self.table, self.host, self.hostp, self.diskp, self.engine
+        disk_on, models = self.disk is not None, (self.host_reuse, self.admission)
+        self.transfers = tr = Transfers(self)
+        self.evictor = Evictor(ctx, table, hostp, tr, engine, disk_on)
+        kick = self.evictor.kick
+        self.slots = Slots(ctx, hostp, self.gpup, kick)
+        self.gpu_path = self.evictor.drains = None if self.gpu is None or self.gpup is None else GpuPath(
+            ctx, table, host, self.gpu, self.gpup, hostp, self.slots, tr, engine, kick)
+        self.signals = Signals(ctx, table, hostp, diskp, *models, disk_on)
+        self.store_path = StorePath(ctx, table, host, hostp, self.slots, tr, self.signals, kick, disk_on,
                                     self.remote, self.gpu_path)
-        self.retention = Retention(ctx, table, host, hostp, self.diskp, self.gpup, self.disk, self.transfers,
-                                   self.fetch_path)
+        self.fetch_path = FetchPath(ctx, table, host, hostp, self.slots, tr, self.signals, engine, self.remote,
+                                    self.gpu_path)
+        self.retention = Retention(ctx, table, host, hostp, diskp, self.gpup, self.disk, tr, self.fetch_path)
         self.sessions = Sessions(ctx, table, host, self.gpu)
-        self.tuner = Tuner(ctx, table, host, self.disk, hostp, self.diskp, self.history, self.host_reuse,
-                           self.admission, engine, self.evictor.kick)
+        self.tuner = Tuner(ctx, table, host, self.disk, hostp, diskp, self.history, *models, engine, kick)
+        self.events = open_events(ctx.cfg.events, table, ctx.lock, self.data_dir if disk_on else None)
+        self.snapshots = Snapshots(ctx, table, self.tiers, hostp, diskp, self.gpup, *models, engine, self.events,
+                                   self.remote_stats)
 
     def _make_disk_room(self, incoming: int) -> list[bytes]:
         """Called by the disk writer: keys to delete so ``incoming`` bytes fit under the high watermark."""
         with self.ctx.lock:
             return self.diskp.room(incoming)
 
-    # ---- the shared context, as the transfers and the disk checks read it -------------------------
     @property
     def cfg(self) -> Config:
         """The running settings."""
         return self.ctx.cfg
-
-    @property
-    def lock(self) -> threading.RLock:
-        """The store's lock."""
-        return self.ctx.lock
-
-    @property
-    def changed(self) -> threading.Condition:
-        """The condition waiters wait on (its lock is :attr:`lock`)."""
-        return self.ctx.changed
 
     @property
     def closing(self) -> bool:
@@ -167,36 +144,28 @@ class BlockStore:
     def degraded(self, reason: str) -> None:
         self.ctx.degraded = reason
 
-    # ---- connections ------------------------------------------------------------------------------
+    # ---- requests: each handed to the object that owns it (see there) -----------------------------
     def ns(self, s: Session) -> Namespace:
         """The connection's namespace; BadRequest before HELLO."""
         return namespace(s)
 
     def register(self, s: Session, ns: Namespace) -> None:
-        """Bind a connection to its namespace (once: its slots and leases are sized for it)."""
+        """Bind a connection to its namespace."""
         self.sessions.register(s, ns)
 
     def close_session(self, s: Session) -> None:
-        """Release everything a connection held (it may have died without a word)."""
+        """Release everything a connection held."""
         self.sessions.close(s)
 
-    # ---- store path -------------------------------------------------------------------------------
     def alloc(self, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host",
               timeout: float | None = None) -> list[int | None]:
-        """Slots of ``tier`` for ``n`` new blocks (None where ``keys[i]`` is already cached); a host slot
-        waits at most ``timeout`` seconds for blocks in use (None: ``server.slot_wait_s``)."""
+        """Slots of ``tier`` for ``n`` new blocks (None where ``keys[i]`` is already cached)."""
         return self.store_path.alloc(s, self.ns(s), n, keys, tier, timeout)
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
                tier: str = "host", wait: bool = True, chains: dict[int, bytes | None] | None = None,
                remote: bool = False, tokens: list[bytes] | None = None) -> int:
-        """Publish written slots under ``keys``; returns how many were new (the rest deduplicated).
-        ``keys`` are prefix chains, each key the child of the one before except at the indexes of
-        ``chains``, where a chain continues the key given (None: starts one; default ``{0: None}``).
-        ``durable`` with ``wait=False`` (host tier): return once the disk write is queued; :meth:`sync`
-        waits for it (a client streams a large durable put: its next copy overlaps this write).
-        ``remote``: every block is written through, admitted or not, before the return (if writable).
-        ``tokens``: each block's token ids (int32), kept for KV events when they are on."""
+        """Publish written slots under ``keys`` (:meth:`StorePath.commit`); returns how many were new."""
         return self.store_path.commit(s, self.ns(s), keys, offsets, durable, tier, wait, chains, remote,
                                       tokens if self.events is not None else None)
 
@@ -208,36 +177,29 @@ class BlockStore:
         """Give back allocated slots without committing them."""
         self.store_path.abort(s, offsets, self.slots.tier(tier) == "gpu")
 
-    # ---- load path --------------------------------------------------------------------------------
     def lookup(self, s: Session, keys: list[bytes]) -> list[str]:
         """Tier of each leading cached block; stops at the first miss."""
         self.ns(s)
         return self.fetch_path.lookup(s.fp, keys)
 
     def lookup_tokens(self, model: str, tp_rank: int, tokens: list[int]) -> dict:
-        """For a router: the leading tokens of prompt ``tokens`` each tier holds (see
-        :meth:`FetchPath.lookup_tokens`)."""
+        """For a router: the leading tokens of a prompt each tier holds."""
         return self.fetch_path.lookup_tokens(model, tp_rank, tokens)
 
     def lookup_count(self, s: Session, keys: list[bytes]) -> int:
-        """``len(self.lookup(s, keys))`` without naming the tiers."""
+        """How many leading blocks are cached."""
         self.ns(s)
         return self.fetch_path.lookup_count(s, keys)
 
-    def acquire(self, s: Session, keys: list[bytes], tier: str = "host") -> tuple[int, list[int], list[str]]:
-        """Lease the longest cached prefix in host (or GPU) memory, promoting as needed.
-
-        Returns:
-            (lease id, slot offsets of the leased prefix, tier each block came from).
-        """
+    def acquire(self, s: Session, keys: list[bytes], tier: str = "host") -> LeaseReply:
+        """Lease the longest cached prefix in host (or GPU) memory, promoting as needed."""
         return self.wait(s, self.fetch(s, keys, tier), None)
 
     def fetch(self, s: Session, keys: list[bytes], tier: str = "host") -> int:
-        """Start leasing the cached prefix of ``keys``; returns a ticket for :meth:`wait`. Never blocks
-        on the disk. With ``tier="gpu"`` the lease is on GPU slots, promoted in the background."""
+        """Start leasing the cached prefix of ``keys``; returns a ticket for :meth:`wait`."""
         return self.fetch_path.fetch(s, self.ns(s), keys, tier)
 
-    def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
+    def wait(self, s: Session, ticket: int, timeout: float | None) -> LeaseReply:
         """Turn a ticket into a lease on the prefix that arrived within ``timeout`` seconds."""
         return self.fetch_path.wait(s, ticket, timeout)
 
@@ -250,26 +212,24 @@ class BlockStore:
         return self.fetch_path.plan(s, self.ns(s), keys)
 
     def release(self, s: Session, lease_ids: Iterable[int]) -> None:
-        """End leases; unknown ids (double release, another client's lease) are an error."""
+        """End leases; unknown ids are an error."""
         self.sessions.release(s, lease_ids)
 
-    # ---- signals from the engine ------------------------------------------------------------------
     def touch(self, s: Session, keys: list[bytes], scores: list[float]) -> int:
-        """Record attention mass per block (1.0 = uniform) for the policies; returns blocks found."""
+        """Record attention mass per block for the policies; returns blocks found."""
         self.ns(s)
         return self.signals.touch(s, keys, scores)
 
     def request_finished(self, s: Session, keys: list[bytes], output_tokens: int | None = None) -> int:
-        """The engine finished a request whose chain is ``keys``; returns how many of the keys are cached."""
+        """The engine finished a request whose chain is ``keys``; returns how many of them are cached."""
         return self.signals.request_finished(s, keys, output_tokens)
 
     def delete(self, s: Session, keys: list[bytes]) -> int:
         """Drop blocks from every tier (leased or in-flight ones are skipped); returns blocks dropped."""
         return self.retention.delete(s, keys)
 
-    # ---- pinned prefixes and windows --------------------------------------------------------------
     def pin_prefix(self, s: Session, keys: list[bytes], priority: int) -> int:
-        """Keep ``keys`` in the host tier until unpinned (:meth:`Retention.pin_prefix`)."""
+        """Keep ``keys`` in the host tier until unpinned; returns blocks pinned."""
         return self.retention.pin_prefix(s, keys, priority)
 
     def unpin(self, s: Session, keys: list[bytes]) -> int:
@@ -280,7 +240,6 @@ class BlockStore:
         """Fit a live sequence into ``budget`` host blocks; returns how many blocks were demoted."""
         return self.retention.window(s, keys, budget, sinks, recent)
 
-    # ---- operator requests ------------------------------------------------------------------------
     def apply(self, new: Config, changed: set[str]) -> None:
         """Apply changed settings to the running tiers; a bad value raises ``ValueError``, nothing changes."""
         self.tuner.apply(new, changed)
@@ -302,7 +261,6 @@ class BlockStore:
         state = self.remote.state()["state"] if self.remote is not None else "up"
         return self.ctx.degraded or ("" if state == "up" else f"remote tier {state}")
 
-    # ---- shutdown ---------------------------------------------------------------------------------
     def flush(self, timeout: float) -> int:
         """Write every dirty host block to disk (a warm next start); returns blocks written."""
         return self.evictor.flush(timeout)
@@ -312,8 +270,7 @@ class BlockStore:
         return self.signals.learned_models()
 
     def close(self, timeout: float) -> None:
-        """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and
-        the pools."""
+        """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and the pools."""
         with self.ctx.lock:
             learned.save(self.learned_models(), self.data_dir)
         self.ctx.close()

@@ -115,8 +115,13 @@ class StorePath:
     def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool, tier: object,
                wait: bool, chains: dict[int, bytes | None] | None, remote: bool,
                tokens: list[bytes] | None) -> int:
-        """Publish written slots of ``tier`` under ``keys`` (see :meth:`BlockStore.commit`); returns how
-        many were new."""
+        """Publish written slots of ``tier`` under ``keys``; returns how many were new (the rest
+        deduplicated). ``keys`` are prefix chains, each key the child of the one before except at the
+        indexes of ``chains``, where a chain continues the key given (None: starts one; default
+        ``{0: None}``). ``durable`` with ``wait=False`` (host tier): return once the disk write is
+        queued; :meth:`sync` waits for it (a client streams a large durable put: its next copy overlaps
+        this write). ``remote``: every block is written through, admitted or not, before the return
+        (if writable). ``tokens``: each block's token ids (int32), kept for KV events when they are on."""
         if len(keys) != len(offsets):
             raise BadRequest("keys and slots differ in length")
         if durable and not self.disk_on:
