@@ -178,6 +178,34 @@ def test_a_gpu_slot_waits_for_drains_up_to_slot_wait_s_and_wakes_when_they_end(m
     drains.join()
 
 
+def test_a_slot_wait_ends_when_the_store_closes(make_table):
+    import threading
+
+    t = make_table(gpu=True)
+    s = _session(t)
+    _HeldCopies(t)  # the drains never finish
+    keys = _keys(t.gpu.capacity // BLOCK)
+    offs, _data = _fill_gpu(t, s, keys)
+    t.commit(s, keys, offs, tier="gpu")
+    t.cfg.server.slot_wait_s = 60.0
+    raised: list[BaseException] = []
+
+    def alloc() -> None:
+        try:
+            t.alloc(s, 1, tier="gpu")
+        except TierFull as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=alloc)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive(), "the request waits for a drain"
+    t0 = time.monotonic()
+    t.close(5.0)
+    waiter.join(10.0)
+    assert not waiter.is_alive() and len(raised) == 1 and time.monotonic() - t0 < 10.0
+
+
 def test_a_host_slot_waits_for_the_writer_and_never_drops_a_block_it_can_write(make_table):
     t = make_table(capacity=1 << 20)
     t.cfg.server.slot_wait_s = 60.0
