@@ -129,3 +129,64 @@ def test_the_package_carries_what_it_reads_at_run_time():
     shipped = {p for pat in patterns for p in pkg.glob(pat)}
     assert {pkg / "native" / "paged_kv.cu", replay_cli.DEFAULT_CONFIG} <= shipped
     assert "TKV_UNROLL" in kernel_source()
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for d in edges[m]:
+            if d not in index:
+                visit(d)
+                low[m] = min(low[m], low[d])
+            elif d in on_stack:
+                low[m] = min(low[m], index[d])
+        if low[m] == index[m]:
+            comp = []
+            while True:
+                x = stack.pop()
+                on_stack.discard(x)
+                comp.append(x)
+                if x == m:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for m in sorted(edges):
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_the_daemon_modules_import_in_one_direction():
+    """No circle of imports among tierkv.daemon's modules, counting imports made for annotations only."""
+    grimp = pytest.importorskip("grimp", reason="grimp is not installed (it comes with import-linter)")
+    graph = grimp.build_graph("tierkv", exclude_type_checking_imports=False, cache_dir=None)
+    mods = {m for m in graph.modules if m.startswith("tierkv.daemon.")}
+    edges = {m: {d for d in graph.find_modules_directly_imported_by(m) if d in mods} for m in mods}
+    assert _cycles(edges) == []
+
+
+def test_no_daemon_module_imports_another_for_annotations_only():
+    """A daemon module that names another's types imports it: no `if TYPE_CHECKING:` import inside tierkv.daemon
+    hides a circle."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "tierkv" / "daemon").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
+                continue
+            for inner in ast.walk(node):
+                names = ([inner.module or ""] if isinstance(inner, ast.ImportFrom)
+                         else [a.name for a in inner.names] if isinstance(inner, ast.Import) else [])
+                found += [f"{path.name}: {n}" for n in names if n.startswith("tierkv.daemon")]
+    assert found == []

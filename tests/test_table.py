@@ -162,20 +162,80 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
     assert _get(t, s, keys)[0] == data
 
 
+def test_a_gpu_slot_waits_for_drains_up_to_slot_wait_s_and_wakes_when_they_end(make_table):
+    import threading
+
+    t = make_table(gpu=True)
+    s = _session(t)
+    held = _HeldCopies(t)
+    keys = _keys(t.gpu.capacity // BLOCK)
+    offs, _data = _fill_gpu(t, s, keys)
+    t.commit(s, keys, offs, tier="gpu")  # every GPU slot is the only copy of a block until its drain ends
+    t.cfg.server.slot_wait_s = 0.3
+    t0 = time.monotonic()
+    with pytest.raises(TierFull):
+        t.alloc(s, 1, tier="gpu")
+    assert 0.3 <= time.monotonic() - t0 < 5.0, "the wait ends at server.slot_wait_s"
+    t.cfg.server.slot_wait_s = 60.0
+    drains = threading.Timer(0.3, held.run)
+    drains.start()
+    t0 = time.monotonic()
+    assert t.alloc(s, 1, tier="gpu") != [None]
+    assert time.monotonic() - t0 < 10.0, "a drain's completion wakes the waiting request"
+    drains.join()
+
+
+def test_a_slot_wait_ends_when_the_store_closes(make_table):
+    import threading
+
+    t = make_table(gpu=True)
+    s = _session(t)
+    _HeldCopies(t)  # the drains never finish
+    keys = _keys(t.gpu.capacity // BLOCK)
+    offs, _data = _fill_gpu(t, s, keys)
+    t.commit(s, keys, offs, tier="gpu")
+    t.cfg.server.slot_wait_s = 60.0
+    raised: list[BaseException] = []
+
+    def alloc() -> None:
+        try:
+            t.alloc(s, 1, tier="gpu")
+        except TierFull as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=alloc)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive(), "the request waits for a drain"
+    t0 = time.monotonic()
+    t.close(5.0)
+    waiter.join(10.0)
+    assert not waiter.is_alive() and len(raised) == 1 and time.monotonic() - t0 < 10.0
+
+
+def test_a_host_slot_waits_for_the_writer_and_never_drops_a_block_it_can_write(make_table):
+    t = make_table(capacity=1 << 20)
+    t.cfg.server.slot_wait_s = 60.0
+    s = _session(t)
+    _put(t, s, _keys(t.host.capacity // BLOCK))  # dirty: each worth writing before it may leave
+    t0 = time.monotonic()
+    assert t.alloc(s, 1) != [None]
+    assert time.monotonic() - t0 < 10.0, "the write's completion wakes the waiting request"
+    assert t.hostp.stats.dropped_unwritten == 0
+
+
 def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     import dataclasses
-
-    from tierkv.daemon import tuning
 
     t = make_table()  # admission "all": the disk policy has no reuse factor
     pol = t.diskp.policy
     assert pol.reuse is None
     for mode, weighted in (("predicted", True), ("all", False), ("predicted", True)):
         new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, admission=mode))
-        tuning.apply(t, new, {"disk.admission"})
+        t.apply(new, {"disk.admission"})
         assert t.diskp.policy is pol and (pol.reuse is not None) == weighted
     new = dataclasses.replace(t.cfg, policy={**t.cfg.policy, "beta": 0.7})
-    tuning.apply(t, new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
+    t.apply(new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
     assert pol.settings()["beta"] == 0.7 and pol.reuse is not None
     rule = t.admission  # make its two models disagree: a return past the eviction model's shorter list
     rule.update(ghost_entries=100, evict_horizon=0.5)
@@ -194,15 +254,13 @@ def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
 def test_disk_policy_ages_by_idle_time_and_tune_changes_it(make_table):
     import dataclasses
 
-    from tierkv.daemon import tuning
-
     t = make_table()
     pol = t.diskp.policy
     assert pol.settings()["idle_aging"] == t.cfg.disk.idle_aging == 0.5 and pol.tau > 0
     assert t.hostp.policy.settings()["idle_aging"] == 0.0  # the host keeps the GDSF aging clock
     for scale in (1.5, 0.0):
         new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, idle_aging=scale))
-        tuning.apply(t, new, {"disk.idle_aging"})
+        t.apply(new, {"disk.idle_aging"})
         assert t.diskp.policy is pol and pol.settings()["idle_aging"] == scale
     assert pol.tau == 0.0
 

@@ -19,10 +19,11 @@ report, and the engine's measured prefill speed, and asks it whether to fetch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
-import threading
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -128,7 +129,8 @@ class _LineFit:
 class CostModel:
     """Measured tier speeds and recompute speed; decides fetch versus recompute.
 
-    Thread-safe: load completions call :meth:`observe` on mover threads while lookups call :meth:`plan`.
+    Thread-safe under the ``lock`` it is given (the daemon gives it a ``threading.Lock``: load completions
+    call :meth:`observe` on mover threads while lookups call :meth:`plan`); without one, single-threaded.
 
     Args:
         priors: bandwidth and latency per tier before measurements (default :data:`DEFAULT_PRIORS`);
@@ -138,11 +140,13 @@ class CostModel:
         alpha: EMA weight of each new observation (0 < alpha <= 1).
         min_observations: observations of a tier before they replace its prior.
         safety: fetch only when ``fetch_s * safety <= recompute_s`` (>= 1 favours recompute).
+        lock: held around every read and update of the measurements.
     """
 
     def __init__(self, priors: Mapping[str, Prior | tuple[float, float]] | None = None, *,
                  recompute_tokens_per_s: float = 10_000.0, attention_tokens: int = 32_768, alpha: float = 0.2,
-                 min_observations: int = 3, safety: float = 1.0) -> None:
+                 min_observations: int = 3, safety: float = 1.0,
+                 lock: AbstractContextManager[Any] | None = None) -> None:
         src = DEFAULT_PRIORS if priors is None else priors
         self._priors: dict[str, Prior] = {}
         for tier, p in src.items():
@@ -157,7 +161,7 @@ class CostModel:
         if self.attention_tokens == 0:
             raise ValueError("attention_tokens must be positive")
         self.safety = _positive(safety, "safety")
-        self._lock = threading.Lock()
+        self._lock: AbstractContextManager[Any] = lock if lock is not None else contextlib.nullcontext()
         self._fits: dict[str, _LineFit] = {}
         self._sec_per_token = 1.0 / _positive(recompute_tokens_per_s, "recompute_tokens_per_s")
         self._rc_sum = self._rc_w = 0.0

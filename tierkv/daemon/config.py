@@ -38,8 +38,11 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long to wait for in-flight writes and the shutdown flush."""
     slot_wait_s: float = 30.0
-    """Longest wait for a host slot when every block is in use (leased, moving or pinned); a caller may
-    ask for less (the vLLM connector's stores ask for none: a store that finds no room is skipped)."""
+    """Longest wait for a host slot when every block is in use (leased, moving or pinned), or a GPU slot
+    while blocks drain; a caller may ask for less (the vLLM connector's stores ask for none)."""
+    commit_wait_s: float = 30.0
+    """Longest wait of a GPU commit for its blocks to reach host memory (durable or remote) and of a
+    remote commit for its write-through."""
     flush_on_shutdown: bool = True
     """On SIGTERM, write host-tier blocks that are not yet on disk to the disk tier (a warm next start)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -264,8 +267,9 @@ def _check_server(s: ServerConfig) -> None:
         raise ValueError("server.max_frame_bytes must be >= 4096")
     if s.drain_timeout_s < 0:
         raise ValueError("server.drain_timeout_s must be >= 0")
-    if not 0 <= s.slot_wait_s <= 3600:
-        raise ValueError("server.slot_wait_s must be within 0..3600")
+    for name in ("slot_wait_s", "commit_wait_s"):
+        if not 0 <= getattr(s, name) <= 3600:
+            raise ValueError(f"server.{name} must be within 0..3600")
     if s.sample_interval_s < 0 or not 1 <= s.sample_count <= 1 << 20:
         raise ValueError("server.sample_interval_s must be >= 0 and server.sample_count within 1..2^20")
     if s.metrics_addr:

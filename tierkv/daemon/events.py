@@ -33,11 +33,11 @@ import numpy as np
 import zmq
 
 from tierkv.core.keys import FINGERPRINT_BYTES
+from tierkv.daemon.config import EventsConfig
 
 if TYPE_CHECKING:
     from tierkv.cache.block import Block
     from tierkv.cache.table import BlockTable
-    from tierkv.daemon.config import EventsConfig
 
 log = logging.getLogger("tierkv.events")
 

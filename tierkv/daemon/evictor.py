@@ -1,15 +1,19 @@
 """The evictor: a daemon thread that demotes host blocks between the watermarks, retries GPU drains
-that found no host slot, and writes cold dirty blocks behind while the disk writer is idle."""
+that found no host slot, and writes cold dirty blocks behind while the disk writer is idle; and the
+shutdown flush, which writes every dirty host block to disk."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+import time
 
-if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
-    from tierkv.movers.jobs import Job
+from tierkv.cache.placement import HostPlacement
+from tierkv.cache.table import BlockTable
+from tierkv.daemon.context import Context
+from tierkv.daemon.gpupath import GpuPath
+from tierkv.daemon.tier_jobs import TierJobs
+from tierkv.movers.transfer import Job, TransferEngine
 
 log = logging.getLogger("tierkv.table")
 
@@ -21,8 +25,15 @@ WRITE_BEHIND_SHARE = 1 / 8
 class Evictor:
     """Runs when kicked (a store filled the tier, a write finished) and every half second."""
 
-    def __init__(self, st: BlockStore) -> None:
-        self.st = st
+    def __init__(self, ctx: Context, table: BlockTable, hostp: HostPlacement, transfers: TierJobs,
+                 engine: TransferEngine, disk_on: bool) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.hostp = hostp
+        self.transfers = transfers
+        self.engine = engine
+        self.disk_on = disk_on
+        self.drains: GpuPath | None = None  # the GPU path, when the GPU tier is on
         self._kick = threading.Event()
         self._force = False
         self._wb_job: Job | None = None  # the write-behind batch in flight
@@ -47,43 +58,60 @@ class Evictor:
         self._thread.join(5)
 
     def _loop(self) -> None:
-        st = self.st
-        while not st.closing:
+        while not self.ctx.closing:
             self._kick.wait(0.5)
             self._kick.clear()
             try:
                 self._demote_once()
-                if st.gpu_path is not None and st.gpu_path.undrained:
-                    st.gpu_path.retry_drains()
+                if self.drains is not None and self.drains.undrained:
+                    self.drains.retry_drains()
                 self._write_behind()
             except Exception:
                 log.exception("evictor")
 
     def _demote_once(self) -> None:
         """Write dirty victims back, then free their slots (clean victims are dropped at once)."""
-        st = self.st
-        with st.lock:
+        ctx = self.ctx
+        with ctx.lock:
             force, self._force = self._force, False
-            dirty = st.hostp.demotion(force)
-            st.changed.notify_all()
-            job = st.transfers.store(dirty) if dirty else None
+            dirty = self.hostp.demotion(force)
+            ctx.notify()
+            job = self.transfers.store(dirty) if dirty else None
         if job is None:
             return
         job.wait()
-        with st.lock:
-            st.hostp.demoted(dirty)
-            st.changed.notify_all()
+        with ctx.lock:
+            self.hostp.demoted(dirty)
+            ctx.notify()
 
     def _write_behind(self) -> None:
         """Clean the coldest admitted dirty host blocks while the disk writer is idle: a later eviction
         then only frees their slots, so a burst of stores runs at memory speed instead of disk speed."""
-        st = self.st
-        if st.disk is None or not st.cfg.host.write_behind or st.closing:
+        if not self.disk_on or not self.ctx.cfg.host.write_behind or self.ctx.closing:
             return
         if self._wb_job is not None and not self._wb_job.done.is_set():
             return  # one batch at a time; its completion wakes the evictor for the next
-        with st.lock:
-            batch = min(st.engine.writes.batch_bytes, int(st.hostp.limit * WRITE_BEHIND_SHARE))
-            victims = st.hostp.write_behind_batch(batch)
+        with self.ctx.lock:
+            batch = min(self.engine.writes.batch_bytes, int(self.hostp.limit * WRITE_BEHIND_SHARE))
+            victims = self.hostp.write_behind_batch(batch)
             if victims:
-                self._wb_job = st.transfers.store(victims)
+                self._wb_job = self.transfers.store(victims)
+
+    def flush(self, timeout: float) -> int:
+        """Write every dirty host block to disk within ``timeout`` seconds (a warm next start); GPU
+        commits first reach host memory (their drains). Returns blocks written."""
+        if not self.disk_on:
+            return 0
+        ctx = self.ctx
+        deadline = time.monotonic() + timeout
+        with ctx.lock:
+            if self.drains is not None:
+                self.drains.retry_drains()
+            while any(b.draining for b in self.table.records()) and ctx.wait_until(deadline):
+                pass
+            dirty = [b for b in self.table.records() if b.host_ready and not b.on_disk and not b.writing]
+            batch = ctx.cfg.disk.write_batch
+            jobs = [self.transfers.store(dirty[i:i + batch]) for i in range(0, len(dirty), batch)]
+        for j in jobs:
+            j.wait(max(0.0, deadline - time.monotonic()))
+        return sum(1 for j in jobs if j.done.is_set() and j.error is None for m in j.moves if m.ok)

@@ -9,88 +9,132 @@ import time
 from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block, Session, fetch_source, tier_of
-from tierkv.cache.costmodel import Run
-from tierkv.cache.table import unlease
-from tierkv.core.errors import TierFull
-from tierkv.core.keys import Namespace
-from tierkv.tiers.host import slot_size_for
+from tierkv.cache.costmodel import CostModel, Run
+from tierkv.cache.placement import HostPlacement
+from tierkv.cache.table import BlockTable, unlease
+from tierkv.core.errors import BadRequest, TierFull
+from tierkv.core.keys import Namespace, chain_keys
+from tierkv.core.prefix import tier_tokens
+from tierkv.daemon.context import Context
+from tierkv.daemon.gpupath import GpuPath
+from tierkv.daemon.signals import Signals
+from tierkv.daemon.slots import Slots
+from tierkv.daemon.tier_jobs import TierJobs
+from tierkv.tiers.host import HostPool, slot_size_for
 
 if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
+    from tierkv.tiers.remote import RemoteTier
 
 
 class FetchPath:
-    """Lookups, fetches into host memory, waits, prefetches and plans."""
+    """Lookups, fetches into host (or GPU) memory, waits, prefetches and plans."""
 
-    def __init__(self, st: BlockStore) -> None:
-        self.st = st
+    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, hostp: HostPlacement, slots: Slots,
+                 transfers: TierJobs, signals: Signals, cost: CostModel, remote: RemoteTier | None,
+                 gpu_path: GpuPath | None) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.host = host
+        self.hostp = hostp
+        self.slots = slots
+        self.transfers = transfers
+        self.signals = signals
+        self.cost = cost
+        self.remote = remote
+        self.gpu_path = gpu_path
         self._warm: dict[bytes, tuple[Block, int]] = {}  # prefetched, not used since: (block, its hits then)
 
     def lookup(self, fp: bytes, keys: list[bytes]) -> list[str]:
         """Tier of each leading cached block of namespace ``fp``; stops at the first miss."""
-        st = self.st
-        with st.lock:
-            out = st.table.lookup(fp, keys)
-        if st.remote is not None and len(out) < len(keys):
+        with self.ctx.lock:
+            out = self.table.lookup(fp, keys)
+        if self.remote is not None and len(out) < len(keys):
             # Only the part of the prefix no local tier holds, in one round trip (outside the lock).
-            out += ["remote"] * st.remote.prefix_len(fp, keys[len(out):])
+            out += ["remote"] * self.remote.prefix_len(fp, keys[len(out):])
         return out
+
+    def lookup_tokens(self, model: str, tp_rank: int, tokens: list[int]) -> dict:
+        """For a router: the leading tokens of prompt ``tokens`` each tier holds
+        (:func:`~tierkv.core.prefix.tier_tokens`), keyed in the namespace a connected engine of ``model``
+        registered at ``tp_rank``.
+
+        Raises:
+            BadRequest: no connected engine of that model at that rank.
+        """
+        with self.ctx.lock:
+            ns = next((n for n in self.table.namespaces.values() if n.model == model and n.tp_rank == tp_rank),
+                      None)
+        if ns is None:
+            raise BadRequest(f"no connected engine serves model {model!r} at TP rank {tp_rank}")
+        bt = ns.layout.block_tokens
+        keys = chain_keys(ns.fingerprint, tokens, bt)
+        return tier_tokens(self.lookup(ns.fingerprint, keys) if keys else [], bt, len(tokens))
 
     def lookup_count(self, s: Session, keys: list[bytes]) -> int:
         """How many leading blocks are cached, without naming the tiers (the scheduler's hot path)."""
-        st = self.st
-        with st.lock:
-            n = st.table.lookup_count(s.fp, keys)
-        if n < len(keys) and st.remote is not None:
-            n += st.remote.prefix_len(s.fp, keys[n:])  # outside the lock, as in lookup
+        with self.ctx.lock:
+            n = self.table.lookup_count(s.fp, keys)
+        if n < len(keys) and self.remote is not None:
+            n += self.remote.prefix_len(s.fp, keys[n:])  # outside the lock, as in lookup
         return n
 
     # ---- fetch ------------------------------------------------------------------------------------
-    def fetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
+    def fetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object) -> int:
+        """Start leasing the cached prefix of ``keys`` in ``tier`` memory; returns a ticket for
+        :meth:`wait`. Never blocks on the disk; GPU slots are promoted in the background."""
+        self.signals.requested(s, keys)
+        if self.slots.tier(tier) != "gpu":
+            return self._fetch_host(s, ns, keys)
+        assert self.gpu_path is not None  # slots.tier checked that the GPU tier is on
+        leased, tiers = self.gpu_path.promote(s, ns, keys, lease=True)
+        with self.ctx.lock:
+            self.table.count_fetch(s.fp, len(keys), len(leased))
+            return self.table.open_ticket(s, leased, tiers, "gpu")
+
+    def _fetch_host(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
         """Lease the cached prefix in host memory: host blocks at once, colder ones as they arrive."""
-        st = self.st
         slot = slot_size_for(ns.layout.block_bytes)
         leased: list[Block] = []
         tiers: list[str] = []
         loads: list[Block] = []
-        with st.lock:
+        with self.ctx.lock:
             for k in keys:
-                b = st.table.get(s.fp + k)
+                b = self.table.get(s.fp + k)
                 if b is None:
-                    st.hostp.stats.misses += 1
+                    self.hostp.stats.misses += 1
                     break
                 source = self._lease_source(b, slot, loads)
                 if source is None:
                     break
                 tiers.append(source)
                 b.leases += 1
-                st.hostp.touch(b)
+                self.hostp.touch(b)
                 leased.append(b)
             if loads:
-                st.transfers.load(ns, loads)
-            st.transfers.write_through([b for b in leased if b.loading is None])
-        if st.remote is not None and len(leased) < len(keys):
+                self.transfers.load(ns, loads)
+            self.transfers.write_through([b for b in leased if b.loading is None])
+        if self.remote is not None and len(leased) < len(keys):
             self._fetch_remote(s, ns, keys[len(leased):], slot, leased, tiers)
-        with st.lock:
-            st.table.count_fetch(s.fp, len(keys), len(leased))
-            return st.table.open_ticket(s, leased, tiers, "host")
+        with self.ctx.lock:
+            self.table.count_fetch(s.fp, len(keys), len(leased))
+            return self.table.open_ticket(s, leased, tiers, "host")
 
     def _lease_source(self, b: Block, slot: int, loads: list[Block]) -> str | None:
         """The tier a host lease on ``b`` is served from, starting its load when it has no host slot;
         None: it cannot be leased at this point (the prefix ends). Lock held."""
-        st = self.st
+        hp = self.hostp
         if b.host_off is not None:
-            st.hostp.stats.hits += 1
-            st.hostp.stats.bytes_out += b.nbytes  # leased to the client: read from the host tier
+            hp.stats.hits += 1
+            hp.stats.bytes_out += b.nbytes  # leased to the client: read from the host tier
             return fetch_source(b)
         if b.on_disk:
             off = self._slot_for(b, slot)
             if off is None or b.host_off is not None or not b.on_disk:
                 return self._moved(b, off, slot, loads)
             b.host_off = off
-            st.transfers.start_loads([b])
+            self.transfers.start_loads([b])
             loads.append(b)
-            st.hostp.stats.misses += 1
+            hp.stats.misses += 1
             return "disk"
         if b.gpu_off is not None and b.gpu_loading is None:
             # only on the GPU: its host copy was dropped unwritten, or its drain found no host slot and
@@ -99,22 +143,21 @@ class FetchPath:
             if off is None or b.host_off is not None or b.gpu_off is None or b.gpu_loading is not None:
                 return self._moved(b, off, slot, loads)
             b.host_off = off
-            assert st.gpu_path is not None  # b holds a GPU slot: the GPU tier is on
-            st.gpu_path.copy_to_host([b])
-            st.hostp.stats.misses += 1
+            assert self.gpu_path is not None  # b holds a GPU slot: the GPU tier is on
+            self.gpu_path.copy_to_host([b])
+            hp.stats.misses += 1
             return "gpu"
         return None
 
     def _slot_for(self, b: Block, slot: int) -> int | None:
         """A host slot to promote ``b`` into, or None (no room, or ``b`` left every tier meanwhile).
         Finding room may wait for the disk writer with the lock released. Lock held."""
-        st = self.st
         try:
-            off = st.host_slot(slot)
+            off = self.slots.host(slot)
         except TierFull:
             return None  # no room to promote: the prefix so far is what the client gets
-        if st.table.get(b.fk) is not b:  # dropped from its last tier while room was made
-            st.host.free(off)
+        if self.table.get(b.fk) is not b:  # dropped from its last tier while room was made
+            self.host.free(off)
             return None
         return off
 
@@ -123,39 +166,39 @@ class FetchPath:
         tier): give ``off`` back and look again. Lock held."""
         if off is None:
             return None
-        self.st.host.free(off)
+        self.host.free(off)
         return self._lease_source(b, slot, loads)
 
     def _fetch_remote(self, s: Session, ns: Namespace, keys: list[bytes], slot: int, leased: list[Block],
                       tiers: list[str]) -> None:
         """Continue a fetch from the remote tier: the part of the prefix no local tier holds."""
-        st = self.st
-        assert st.remote is not None  # called only with a remote tier
-        n = st.remote.prefix_len(s.fp, keys)  # network: outside the lock
+        assert self.remote is not None  # called only with a remote tier
+        n = self.remote.prefix_len(s.fp, keys)  # network: outside the lock
         if n == 0:
             return
         loads: list[Block] = []
-        with st.lock:
+        table = self.table
+        with self.ctx.lock:
             for k in keys[:n]:
                 fk = s.fp + k
-                if fk in st.table:  # appeared meanwhile (another client): end the prefix here
+                if fk in table:  # appeared meanwhile (another client): end the prefix here
                     break
                 try:
-                    off = st.host_slot(slot)
+                    off = self.slots.host(slot)
                 except TierFull:
                     break
-                if fk in st.table:  # room was made with the lock released: it may have appeared
-                    st.host.free(off)
+                if fk in table:  # room was made with the lock released: it may have appeared
+                    self.host.free(off)
                     break
                 b = Block(fk, ns.layout.block_bytes, host_off=off, on_remote=True, leases=1)
-                st.transfers.start_loads([b])
-                st.table.add(b)
+                self.transfers.start_loads([b])
+                table.add(b)
                 loads.append(b)
                 leased.append(b)
                 tiers.append("remote")
             if not loads:
                 return
-        st.transfers.load_remote(loads)
+        self.transfers.load_remote(loads)
 
     # ---- wait -------------------------------------------------------------------------------------
     def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
@@ -164,9 +207,8 @@ class FetchPath:
         Blocks still loading after the timeout are cut off (a partial result is normal); their loads
         finish in the background and stay cached.
         """
-        st = self.st
-        with st.lock:
-            leased, tiers, tier = st.table.take_ticket(s, ticket)
+        with self.ctx.lock:
+            leased, tiers, tier = self.table.take_ticket(s, ticket)
         gpu = tier == "gpu"
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         cut = len(leased)
@@ -178,11 +220,11 @@ class FetchPath:
             if (b.gpu_off is None or b.gpu_loading is not None) if gpu else (b.load_failed or b.host_off is None):
                 cut = i
                 break
-        with st.lock:
+        with self.ctx.lock:
             for b in leased[cut:]:
                 unlease(b, tier)
-            lease = st.table.hold(s, ticket, leased[:cut], tier)
-            st.changed.notify_all()
+            lease = self.table.hold(s, ticket, leased[:cut], tier)
+            self.ctx.notify()
             offs: list[int] = []
             for b in lease.blocks:
                 off = b.gpu_off if gpu else b.host_off
@@ -191,48 +233,55 @@ class FetchPath:
             return lease.id, offs, tiers[:cut]
 
     # ---- prefetch and plan ------------------------------------------------------------------------
-    def prefetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
+    def prefetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object) -> int:
+        """Warm the cached prefix in host (or GPU) memory in the background; returns loads started."""
+        self.signals.requested(s, keys)
+        if self.slots.tier(tier) == "gpu":
+            assert self.gpu_path is not None  # slots.tier checked that the GPU tier is on
+            return len(self.gpu_path.promote(s, ns, keys, lease=False)[0])
+        return self._prefetch_host(s, ns, keys)
+
+    def _prefetch_host(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
         """Promote the disk-only blocks of the cached prefix into host memory; returns loads started.
 
         Prefetched blocks not used yet hold at most ``host.prefetch_fraction`` of the host tier, and
         room is made only from clean blocks no one is using: a queue of announced requests never
         evicts what running requests lease, nor costs a block its disk copy."""
-        st = self.st
         slot = slot_size_for(ns.layout.block_bytes)
         loads: list[Block] = []
-        with st.lock:
+        with self.ctx.lock:
             room = self._prefetch_room(slot)
-            for b in st.table.prefix(s.fp, keys):
+            for b in self.table.prefix(s.fp, keys):
                 if b.host_off is None and b.on_disk:
                     if room <= 0:
                         break
                     try:
-                        b.host_off = st.host_slot(slot, wait=False, drop_dirty=False)
+                        b.host_off = self.slots.host(slot, wait=False, drop_dirty=False)
                     except TierFull:
                         break
-                    st.transfers.start_loads([b])
+                    self.transfers.start_loads([b])
                     loads.append(b)
                     self._warm[b.fk] = (b, b.hits)
                     room -= 1
             if loads:
-                st.hostp.stats.prefetches += len(loads)
-                st.transfers.load(ns, loads)
+                self.hostp.stats.prefetches += len(loads)
+                self.transfers.load(ns, loads)
         return len(loads)
 
     def _prefetch_room(self, slot: int) -> int:
         """Blocks a prefetch may still bring in under the budget (forgets blocks used or gone). Lock held."""
-        hp = self.st.hostp
+        hp = self.hostp
         for fk, (b, hits) in list(self._warm.items()):
             if b.host_off is None or b.hits != hits or b.leases > 0:
                 del self._warm[fk]
-        budget = int(self.st.cfg.host.prefetch_fraction * hp.limit) // max(slot, 1)
+        budget = int(self.ctx.cfg.host.prefetch_fraction * hp.limit) // max(slot, 1)
         return budget - len(self._warm)
 
     def plan(self, s: Session, ns: Namespace, keys: list[bytes]) -> dict:
         """Where each leading cached block is, whether it is ready in host memory, and how many leading
         blocks are worth fetching rather than recomputing (from the measured cost model)."""
-        with self.st.lock:
-            found = self.st.table.prefix(s.fp, keys)
+        with self.ctx.lock:
+            found = self.table.prefix(s.fp, keys)
             tiers = [tier_of(b) for b in found]
             ready = [b.host_ready or b.gpu_ready for b in found]
         bt, bb = ns.layout.block_tokens, ns.layout.block_bytes
@@ -240,7 +289,7 @@ class FetchPath:
         for tier, group in itertools.groupby(("host" if r else "disk" for r in ready)):
             n = len(list(group))
             runs.append(Run(tier, n * bb, n * bt))
-        plans = self.st.cost.plan(runs) if runs else []
+        plans = self.cost.plan(runs) if runs else []
         fetch = 0
         for p in plans:
             if not p.fetch:

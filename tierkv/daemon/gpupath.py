@@ -5,70 +5,66 @@ queues; records settle in their completion callbacks. Called with the store's lo
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block, Session
-from tierkv.core.errors import BadRequest, TierFull
+from tierkv.cache.placement import GpuPlacement, HostPlacement
+from tierkv.cache.table import BlockTable
+from tierkv.core.errors import TierFull
 from tierkv.core.keys import Namespace
+from tierkv.daemon.context import Context
 from tierkv.daemon.settle import completion, settle
-from tierkv.daemon.tier_jobs import ready_after
+from tierkv.daemon.slots import Slots
+from tierkv.daemon.tier_jobs import TierJobs, ready_after
 from tierkv.movers.jobs import Job
 from tierkv.movers.streams import Copy
-from tierkv.tiers.host import slot_size_for
+from tierkv.movers.transfer import TransferEngine
+from tierkv.tiers.host import HostPool, slot_size_for
 
 if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
+    from tierkv.tiers.gpu import DevicePool
 
 
 class GpuPath:
     """GPU drains (device -> host) and promotions (host -> device)."""
 
-    def __init__(self, st: BlockStore) -> None:
-        assert st.gpu is not None and st.gpup is not None  # made once the GPU tier is attached
-        self.st = st
-        self.gpu = st.gpu
-        self.gpup = st.gpup
+    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, gpu: DevicePool, gpup: GpuPlacement,
+                 hostp: HostPlacement, slots: Slots, transfers: TierJobs, engine: TransferEngine,
+                 kick: Callable[[bool], None]) -> None:
+        """``kick(force)`` asks the evictor to run soon (a drain found no host slot, a copy finished)."""
+        self.ctx = ctx
+        self.table = table
+        self.host = host
+        self.gpu = gpu
+        self.gpup = gpup
+        self.hostp = hostp
+        self.slots = slots
+        self.transfers = transfers
+        self.engine = engine
+        self.kick = kick
         self.undrained: list[Block] = []  # GPU commits waiting for a host slot to drain into
-
-    # ---- slots ------------------------------------------------------------------------------------
-    def slot(self, slot: int, wait: bool = True) -> int:
-        """A device slot, dropping clean device copies (or, with ``wait``, waiting for drains)."""
-        st = self.st
-        deadline = None
-        while True:
-            off = self.gpup.alloc(slot)
-            if off is not None:
-                return off
-            if not wait or st.closing:
-                raise TierFull("GPU tier has no evictable block right now")
-            if deadline is None:
-                deadline = time.monotonic() + 30.0
-            if time.monotonic() > deadline or not self.gpup.draining():
-                raise TierFull("GPU tier is full: every block is leased or being filled")
-            st.changed.wait(0.05)
 
     # ---- drains -----------------------------------------------------------------------------------
     def drain(self, blocks: list[Block]) -> None:
         """Copy GPU commits into host slots (the store queue; never waits for room)."""
-        st = self.st
         started: list[Block] = []
         for i, b in enumerate(blocks):
-            if b.fk not in st.table or b.gpu_off is None or not b.draining or b.host_off is not None:
+            if b.fk not in self.table or b.gpu_off is None or not b.draining or b.host_off is not None:
                 continue  # deleted meanwhile, or a lease is already copying it down
             try:
-                b.host_off = st.host_slot(slot_size_for(b.nbytes), wait=False)
+                b.host_off = self.slots.host(slot_size_for(b.nbytes), wait=False)
             except TierFull:
                 # host memory is full of blocks still being written back: retry when the evictor frees some
                 self.undrained.extend(x for x in blocks[i:] if x.draining)
-                st.evictor.kick(force=True)
+                self.kick(True)
                 break
             started.append(b)
         self.copy_to_host(started)
 
     def retry_drains(self) -> None:
         """Drain the GPU commits that found no host slot before (takes the lock)."""
-        with self.st.lock:
+        with self.ctx.lock:
             pending, self.undrained = self.undrained, []
             self.drain(pending)
 
@@ -76,28 +72,27 @@ class GpuPath:
         """GPU slot -> the host slot already assigned to each block, on the store queue."""
         if not blocks:
             return
-        st = self.st
         copies: list[Copy] = []
         for b in blocks:
             assert b.gpu_off is not None and b.host_off is not None  # a drain with its host slot assigned
             b.loading = threading.Event()
             b.load_failed = False
             b.gpu_leases += 1  # the GPU slot is the copy's source
-            copies.append(Copy(self.gpu.view(b.gpu_off, b.nbytes), st.host_tensor(b.host_off, b.nbytes)))
+            copies.append(Copy(self.gpu.view(b.gpu_off, b.nbytes), self.engine.host_view(b.host_off, b.nbytes)))
 
         def each(b: Block, c: Copy) -> None:
             ev = settle(b)
             b.gpu_leases -= 1
-            if self.gpup.drained(b, st.hostp, c.ok):
+            if self.gpup.drained(b, self.hostp, c.ok):
                 self.undrained.append(b)  # the GPU copy is the only one: try again later
             if ev is not None:
                 ev.set()
 
         def locked(_job: Job) -> None:
-            st.transfers.write_through([b for b in blocks if b.host_off is not None])
+            self.transfers.write_through([b for b in blocks if b.host_off is not None])
 
-        st.engine.submit(("gpu", "host"), copies, completion(st.changed, blocks, each, locked=locked,
-                                                             after=lambda _job: st.evictor.kick()))
+        self.engine.submit(("gpu", "host"), copies, completion(self.ctx.changed, blocks, each, locked=locked,
+                                                               after=lambda _job: self.kick(False)))
 
     # ---- promotions -------------------------------------------------------------------------------
     def promote(self, s: Session, ns: Namespace, keys: list[bytes], lease: bool) -> tuple[list[Block], list[str]]:
@@ -105,16 +100,15 @@ class GpuPath:
         a host -> gpu copy on the load queue, disk blocks by a disk load chained to that copy. With
         ``lease`` every block of the prefix is leased on the GPU (the caller's ticket); without, only
         copies start (prefetch). Never waits for a transfer. Takes the lock."""
-        st = self.st
         slot = slot_size_for(ns.layout.block_bytes)
         leased: list[Block] = []
         tiers: list[str] = []
         loads: list[Block] = []
         moving: list[Block] = []
         copies: list[Copy] = []
-        with st.lock:
+        with self.ctx.lock:
             for k in keys:
-                b = st.table.get(s.fp + k)
+                b = self.table.get(s.fp + k)
                 if b is None:
                     self.gpup.stats.misses += 1
                     break
@@ -131,23 +125,23 @@ class GpuPath:
                 if source is None:
                     break
                 try:
-                    goff = self.slot(slot, wait=False)
+                    goff = self.slots.gpu(slot, wait=False)
                 except TierFull:
                     break  # no room on the GPU: the prefix so far is what the client gets
                 self.gpup.stats.misses += 1
-                st.hostp.touch(b)
+                self.hostp.touch(b)
                 b.gpu_off, b.gpu_loading = goff, threading.Event()
                 b.leases += 1  # the host slot is the copy's source: keep it until the copy is done
                 moving.append(b)
                 assert b.host_off is not None  # _source gave it a host slot
-                copies.append(Copy(st.host_tensor(b.host_off, b.nbytes), self.gpu.view(goff, b.nbytes),
+                copies.append(Copy(self.engine.host_view(b.host_off, b.nbytes), self.gpu.view(goff, b.nbytes),
                                    ready=None if b.loading is None else ready_after(b, b.loading)))
                 if lease:
                     b.gpu_leases += 1
                     leased.append(b)
                     tiers.append(source)
             if loads:
-                st.transfers.load(ns, loads)
+                self.transfers.load(ns, loads)
         if copies:
             self._to_device(moving, copies)
         return (leased if lease else moving), tiers
@@ -160,7 +154,7 @@ class GpuPath:
         if not b.on_disk:
             return None
         try:
-            b.host_off = self.st.host_slot(slot, wait=False)
+            b.host_off = self.slots.host(slot, wait=False)
         except TierFull:
             return None
         b.loading, b.load_failed = threading.Event(), False
@@ -168,7 +162,6 @@ class GpuPath:
         return "disk"
 
     def _to_device(self, moving: list[Block], copies: list[Copy]) -> None:
-        st = self.st
 
         def each(b: Block, c: Copy) -> None:
             ev = settle(b, "gpu_loading")
@@ -177,10 +170,5 @@ class GpuPath:
             if ev is not None:
                 ev.set()
 
-        st.engine.submit(("host", "gpu"), copies, completion(st.changed, moving, each))
+        self.engine.submit(("host", "gpu"), copies, completion(self.ctx.changed, moving, each))
 
-
-def check_gpu(st: BlockStore) -> None:
-    """Raise BadRequest when the GPU tier is off."""
-    if st.gpu is None:
-        raise BadRequest("the GPU tier is off (start the daemon with --gpu-capacity)")

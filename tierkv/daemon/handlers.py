@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tierkv.cache import tuning
 from tierkv.cache.block import Session, validate_chains, validate_keys, validate_tokens
@@ -16,17 +16,27 @@ from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
 from tierkv.core.protocol import Op
 from tierkv.daemon.blockstore import BlockStore
-
-if TYPE_CHECKING:
-    from tierkv.daemon.server import Server
+from tierkv.daemon.config import Config
 
 SENT = object()  # a handler's result when it sent its reply itself (HELLO passes file descriptors)
+
+
+class Served(Protocol):
+    """What the handlers use of their server (:class:`tierkv.daemon.server.Server`)."""
+
+    cfg: Config  # replaced by TUNE
+    store: BlockStore | None
+    samples: Any  # the sample ring, or None
+
+    def stats(self) -> dict:
+        """The snapshot behind ``tierkv stats``."""
+        ...
 
 
 class Handlers:
     """The handlers of one server; :meth:`by_opcode` maps each opcode to (Op, handler)."""
 
-    def __init__(self, srv: Server) -> None:
+    def __init__(self, srv: Served) -> None:
         self.srv = srv
 
     @property

@@ -1,82 +1,132 @@
 """Retention a client asks for: pinned prefixes (kept in host memory until unpinned, outliving the
-connection) and windows (a live sequence fitted into a host budget, the rest demoted to disk)."""
+connection), windows (a live sequence fitted into a host budget, the rest demoted to disk) and
+deletes (blocks dropped from every tier)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tierkv.cache.block import Block, Session
+from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
+from tierkv.cache.table import BlockTable
 from tierkv.cache.windows import window_out
 from tierkv.core.errors import BadRequest, TierFull
-
-if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
-
-
-def pin_prefix(st: BlockStore, s: Session, keys: list[bytes], priority: int) -> int:
-    """Keep ``keys`` in the host tier (promoting from disk) until unpinned; returns blocks pinned.
-
-    Pins outlive the connection (frozen system prompts); the pinned share of the host tier is
-    capped by ``host.max_pinned_fraction``.
-    """
-    if not isinstance(priority, int) or not 1 <= priority <= 100:
-        raise BadRequest("priority must be an int in 1..100")
-    lease_id, _offs, _tiers = st.acquire(s, keys)
-
-    def slot_bytes(b: Block) -> int:
-        assert b.host_off is not None  # a host lease: every block is in a host slot
-        return st.host.slot_size_at(b.host_off)
-    with st.lock:
-        lease, hp = s.leases[lease_id], st.hostp
-        cap = st.cfg.host.max_pinned_fraction * hp.limit
-        add = sum(slot_bytes(b) for b in lease.blocks if b.pin == 0)
-        if hp.pinned_bytes + add > cap:
-            st.release(s, [lease_id])
-            raise TierFull(f"pinning {add} more bytes would exceed host.max_pinned_fraction "
-                           f"({st.cfg.host.max_pinned_fraction:.0%} of the host tier)")
-        for b in lease.blocks:
-            if b.pin == 0:
-                hp.pinned_bytes += slot_bytes(b)
-            b.pin = max(b.pin, priority)
-        st.release(s, [lease_id])
-        return len(lease.blocks)
+from tierkv.daemon.context import Context
+from tierkv.daemon.fetchpath import FetchPath
+from tierkv.daemon.sessions import namespace
+from tierkv.daemon.tier_jobs import TierJobs
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.host import HostPool
 
 
-def unpin(st: BlockStore, s: Session, keys: list[bytes]) -> int:
-    """Make pinned blocks evictable again; returns blocks unpinned."""
-    st.ns(s)
-    n = 0
-    with st.lock:
-        for k in keys:
-            b = st.table.get(s.fp + k)
-            if b is not None and b.pin:
-                b.pin = 0
+class Retention:
+    """Pins, windows and deletes."""
+
+    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, hostp: HostPlacement,
+                 diskp: DiskPlacement, gpup: GpuPlacement | None, disk: DiskTier | None, transfers: TierJobs,
+                 fetch: FetchPath) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.host = host
+        self.hostp = hostp
+        self.diskp = diskp
+        self.gpup = gpup
+        self.disk = disk
+        self.transfers = transfers
+        self.fetch = fetch
+
+    def pin_prefix(self, s: Session, keys: list[bytes], priority: int) -> int:
+        """Keep ``keys`` in the host tier (promoting from disk) until unpinned; returns blocks pinned.
+
+        Pins outlive the connection (frozen system prompts); the pinned share of the host tier is
+        capped by ``host.max_pinned_fraction``.
+        """
+        if not isinstance(priority, int) or not 1 <= priority <= 100:
+            raise BadRequest("priority must be an int in 1..100")
+        fp = self.fetch
+        lease_id, _offs, _tiers = fp.wait(s, fp.fetch(s, namespace(s), keys, "host"), None)
+
+        def slot_bytes(b: Block) -> int:
+            assert b.host_off is not None  # a host lease: every block is in a host slot
+            return self.host.slot_size_at(b.host_off)
+        with self.ctx.lock:
+            lease, hp, cfg = s.leases[lease_id], self.hostp, self.ctx.cfg
+            cap = cfg.host.max_pinned_fraction * hp.limit
+            add = sum(slot_bytes(b) for b in lease.blocks if b.pin == 0)
+            if hp.pinned_bytes + add > cap:
+                self._release(s, lease_id)
+                raise TierFull(f"pinning {add} more bytes would exceed host.max_pinned_fraction "
+                               f"({cfg.host.max_pinned_fraction:.0%} of the host tier)")
+            for b in lease.blocks:
+                if b.pin == 0:
+                    hp.pinned_bytes += slot_bytes(b)
+                b.pin = max(b.pin, priority)
+            self._release(s, lease_id)
+            return len(lease.blocks)
+
+    def _release(self, s: Session, lease_id: int) -> None:
+        self.table.release(s, [lease_id])
+        self.ctx.notify()
+
+    def unpin(self, s: Session, keys: list[bytes]) -> int:
+        """Make pinned blocks evictable again; returns blocks unpinned."""
+        namespace(s)
+        n = 0
+        with self.ctx.lock:
+            for k in keys:
+                b = self.table.get(s.fp + k)
+                if b is not None and b.pin:
+                    b.pin = 0
+                    if b.host_off is not None:
+                        self.hostp.pinned_bytes -= self.host.slot_size_at(b.host_off)
+                    n += 1
+            self.ctx.notify()
+        return n
+
+    def window(self, s: Session, keys: list[bytes], budget: int, sinks: int, recent: int) -> int:
+        """Fit a live sequence into ``budget`` host blocks (:func:`tierkv.cache.windows.window_out`);
+        the rest are demoted to disk, never dropped. Returns how many blocks were demoted."""
+        namespace(s)
+        if min(budget, sinks, recent) < 0:
+            raise BadRequest("budget, sinks and recent must be >= 0")
+        ctx, hp = self.ctx, self.hostp
+        with ctx.lock:
+            out = window_out([self.table.get(s.fp + k) for k in keys], budget, sinks, recent)
+            dirty = [b for b in out if not b.on_disk and self.disk is not None]
+            for b in out:
+                if b not in dirty:
+                    hp.drop(b)
+            ctx.notify()
+            job = self.transfers.store(dirty) if dirty else None
+        if job is not None:
+            job.wait()
+            with ctx.lock:
+                for b in dirty:
+                    if b.on_disk and b.host_off is not None and not b.protected:
+                        hp.drop(b)
+                ctx.notify()
+        return len(out)
+
+    def delete(self, s: Session, keys: list[bytes]) -> int:
+        """Drop blocks from every tier (leased or in-flight ones are skipped); returns blocks dropped."""
+        namespace(s)
+        gone: list[bytes] = []
+        with self.ctx.lock:
+            for k in keys:
+                b = self.table.get(s.fp + k)
+                if b is None or b.busy:
+                    continue
+                if b.gpu_off is not None:
+                    assert self.gpup is not None  # b holds a GPU slot
+                    self.gpup.policy.on_remove(b.fk)
+                    self.gpup.pool.free(b.gpu_off)
+                    b.gpu_off = None
                 if b.host_off is not None:
-                    st.hostp.pinned_bytes -= st.host.slot_size_at(b.host_off)
-                n += 1
-        st.changed.notify_all()
-    return n
-
-
-def window(st: BlockStore, s: Session, keys: list[bytes], budget: int, sinks: int, recent: int) -> int:
-    """Fit a live sequence into ``budget`` host blocks (:func:`tierkv.cache.windows.window_out`);
-    the rest are demoted to disk, never dropped. Returns how many blocks were demoted."""
-    st.ns(s)
-    if min(budget, sinks, recent) < 0:
-        raise BadRequest("budget, sinks and recent must be >= 0")
-    with st.lock:
-        out = window_out([st.table.get(s.fp + k) for k in keys], budget, sinks, recent)
-        dirty = [b for b in out if not b.on_disk and st.disk is not None]
-        for b in out:
-            if b not in dirty:
-                st.hostp.drop(b)
-        st.changed.notify_all()
-        job = st.transfers.store(dirty) if dirty else None
-    if job is not None:
-        job.wait()
-        with st.lock:
-            for b in dirty:
-                if b.on_disk and b.host_off is not None and not b.protected:
-                    st.hostp.drop(b)
-            st.changed.notify_all()
-    return len(out)
+                    self.hostp.policy.on_remove(b.fk)
+                    self.host.free(b.host_off)
+                    b.host_off = None
+                if b.on_disk:
+                    gone.append(b.fk)
+                self.diskp.forget(b)
+            self.ctx.notify()
+        if gone and self.disk is not None:
+            self.disk.delete(gone)
+        return len(keys) - sum(1 for k in keys if (s.fp + k) in self.table)

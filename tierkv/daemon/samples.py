@@ -12,8 +12,6 @@ import threading
 import time
 from typing import Any
 
-from tierkv.daemon.snapshot import tier_figures
-
 log = logging.getLogger("tierkv.daemon.samples")
 _COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions")
 
@@ -22,7 +20,7 @@ def take_sample(store: Any) -> dict[str, Any]:
     """One sample of a :class:`~tierkv.daemon.blockstore.BlockStore`: wall time, per tier used/capacity
     bytes and counters, bytes moved per link, and the blocks fetches got from any tier (``served``)."""
     tiers: dict[str, dict[str, int]] = {}
-    for name, counters, used, capacity in tier_figures(store):
+    for name, counters, used, capacity in store.tier_figures():
         d = {"used": int(used), "capacity": int(capacity)}
         d.update({c: int(getattr(counters, c)) for c in _COUNTERS})
         tiers[name] = d

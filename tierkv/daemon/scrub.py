@@ -8,53 +8,38 @@ import time
 from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block
-from tierkv.codecs import CodecError, read_header
-from tierkv.core.errors import TierKVError
 from tierkv.core.keys import FINGERPRINT_BYTES
+from tierkv.daemon.parts import ScrubParts
+from tierkv.movers.disk_scan import header_of, scan_headers
 
 if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
+    from tierkv.codecs import BlockHeader
 
 log = logging.getLogger("tierkv.table")
 
 
-def _record(st: BlockStore, lk: bytes, value: memoryview) -> bool:
-    """Record a stored value whose header names the key's namespace; False for a bad one."""
-    try:
-        h = read_header(value)
-    except CodecError:
+def _record(st: ScrubParts, lk: bytes, found: tuple[BlockHeader | None, int] | None) -> bool:
+    """Record a stored value whose header (and stored size) names the key's namespace; False for a bad one."""
+    h, stored = found if found is not None else (None, 0)
+    if h is None:
         return False
     if len(lk) <= FINGERPRINT_BYTES or bytes(h.fingerprint) != lk[:FINGERPRINT_BYTES]:
         return False
-    st.diskp.added(st.table.add(Block(lk, h.raw_len, on_disk=True, disk_bytes=len(value))))
+    st.diskp.added(st.table.add(Block(lk, h.raw_len, on_disk=True, disk_bytes=stored)))
     return True
 
 
-def scan_disk(st: BlockStore) -> None:
+def scan_disk(st: ScrubParts) -> None:
     """Rebuild records of every block on disk; a value with a bad header is dropped."""
-    assert st.disk is not None
+    disk = st.disk
+    assert disk is not None
     t0 = time.perf_counter()
-    bad = [lk for lk, value in st.disk.scan() if not _record(st, lk, value)]
+    bad = [lk for lk, h, stored in scan_headers(disk) if not _record(st, lk, (h, stored))]
     # The scan reads headers through its own page walk; a value is dropped only if LMDB's own read
     # agrees that it is bad (a walk that went wrong must never cost stored blocks).
-    bad = [lk for lk in bad if not _recheck(st, lk)]
+    bad = [lk for lk in bad if not _record(st, lk, header_of(disk, lk))]
     if bad:
-        st.disk.delete(bad)
+        disk.delete(bad)
         st.diskp.stats.corrupt += len(bad)
     log.info("disk tier: %d blocks (%d dropped as corrupt) scanned in %.2fs", len(st.table), len(bad),
              time.perf_counter() - t0)
-
-
-def _recheck(st: BlockStore, lk: bytes) -> bool:
-    """Re-check a value the start-up scan found bad, read through LMDB; a good one is recorded."""
-    assert st.disk is not None
-
-    def check(value: memoryview) -> int:
-        if not _record(st, lk, value):
-            raise CodecError("bad header or a namespace fingerprint that differs from the key's")
-        return 1
-
-    try:
-        return bool(st.disk.read(lk, check))
-    except (CodecError, TierKVError):
-        return False

@@ -11,14 +11,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block, Session
+from tierkv.cache.placement import HostPlacement
+from tierkv.cache.table import BlockTable
 from tierkv.core.errors import BadRequest, TierFull, TierKVError
 from tierkv.core.keys import Namespace
+from tierkv.daemon.context import Context
+from tierkv.daemon.gpupath import GpuPath
+from tierkv.daemon.signals import Signals
+from tierkv.daemon.slots import Slots
+from tierkv.daemon.tier_jobs import TierJobs
 from tierkv.movers.transfer import Job
-from tierkv.tiers.host import slot_size_for
+from tierkv.tiers.host import HostPool, SlabAllocator, slot_size_for
 
 if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
-    from tierkv.tiers.host import SlabAllocator
+    from tierkv.tiers.remote import RemoteTier
 
 log = logging.getLogger("tierkv.table")
 
@@ -33,8 +39,21 @@ def job_failed(job: Job) -> TierKVError | None:
 class StorePath:
     """Slots out, commits in."""
 
-    def __init__(self, st: BlockStore) -> None:
-        self.st = st
+    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, hostp: HostPlacement, slots: Slots,
+                 transfers: TierJobs, signals: Signals, kick: Callable[[bool], None], disk_on: bool,
+                 remote: RemoteTier | None, gpu_path: GpuPath | None) -> None:
+        """``kick(force)`` asks the evictor to run soon (a commit added blocks to write back)."""
+        self.ctx = ctx
+        self.table = table
+        self.host = host
+        self.hostp = hostp
+        self.slots = slots
+        self.transfers = transfers
+        self.signals = signals
+        self.kick = kick
+        self.disk_on = disk_on
+        self.remote = remote
+        self.gpu_path = gpu_path
 
     # ---- alloc ------------------------------------------------------------------------------------
     def alloc(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, tier: object,
@@ -42,34 +61,34 @@ class StorePath:
         """Slots for ``n`` new blocks (None where ``keys[i]`` is already cached: nothing to write); a
         full host tier drops blocks rather than wait for the disk writer, and waits at most ``timeout``
         seconds for blocks in use."""
-        st = self.st
         if not isinstance(n, int) or n < 0:
             raise BadRequest("n must be a non-negative int")
         if keys is not None and len(keys) != n:
             raise BadRequest("keys and n disagree")
         slot = slot_size_for(ns.layout.block_bytes)
-        if st.tier(tier) == "gpu":
+        if self.slots.tier(tier) == "gpu":
             return self._alloc_gpu(s, ns, n, keys, slot)
-        if n * slot > st.hostp.limit:
-            raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({st.hostp.limit} bytes)")
-        with st.lock:
-            new = n if keys is None else sum(1 for k in keys if (s.fp + k) not in st.table)
-            if st.hostp.make_room(new * slot):
-                st.changed.notify_all()
-            return self._take_slots(s, n, keys, slot, lambda: st.host_slot(slot, timeout=timeout), s.slots,
-                                    st.host.free)
+        hp = self.hostp
+        if n * slot > hp.limit:
+            raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({hp.limit} bytes)")
+        with self.ctx.lock:
+            new = n if keys is None else sum(1 for k in keys if (s.fp + k) not in self.table)
+            if hp.make_room(new * slot):
+                self.ctx.notify()
+            return self._take_slots(s, n, keys, slot, lambda: self.slots.host(slot, timeout=timeout), s.slots,
+                                    self.host.free)
 
     def _alloc_gpu(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, slot: int) -> list[int | None]:
-        st = self.st
-        gpu, path = st.gpu, st.gpu_path
-        assert gpu is not None and path is not None  # st.tier checked that the GPU tier is on
+        path = self.gpu_path
+        assert path is not None  # slots.tier checked that the GPU tier is on
+        gpu = path.gpu
         if slot > gpu.slab_bytes:
             raise BadRequest(f"a block of {ns.layout.block_bytes} bytes exceeds the GPU slab size "
                              f"({gpu.slab_bytes}); raise gpu.slab_bytes")
         if n * slot > gpu.capacity:
             raise BadRequest(f"{n} blocks of {slot} bytes exceed the GPU tier ({gpu.capacity} bytes)")
-        with st.lock:
-            return self._take_slots(s, n, keys, slot, lambda: path.slot(slot), s.gpu_slots, gpu.free)
+        with self.ctx.lock:
+            return self._take_slots(s, n, keys, slot, lambda: self.slots.gpu(slot), s.gpu_slots, gpu.free)
 
     def _take_slots(self, s: Session, n: int, keys: list[bytes] | None, slot: int, take: Callable[[], int],
                     owned: dict[int, int], free: Callable[[int], None]) -> list[int | None]:
@@ -78,7 +97,7 @@ class StorePath:
         out: list[int | None] = []
         try:
             for i in range(n):
-                if keys is not None and (s.fp + keys[i]) in self.st.table:
+                if keys is not None and (s.fp + keys[i]) in self.table:
                     out.append(None)
                     continue
                 off = take()
@@ -93,37 +112,47 @@ class StorePath:
         return out
 
     # ---- commit -----------------------------------------------------------------------------------
-    def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
-               wait: bool, chains: dict[int, bytes | None], remote: bool = False,
-               tokens: list[bytes] | None = None) -> int:
-        """Publish written host slots under ``keys`` (prefix chains starting at ``chains``, see
-        :meth:`BlockStore.commit`); returns how many were new."""
-        st = self.st
+    def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool, tier: object,
+               wait: bool, chains: dict[int, bytes | None] | None, remote: bool,
+               tokens: list[bytes] | None) -> int:
+        """Publish written slots of ``tier`` under ``keys``; returns how many were new (the rest
+        deduplicated). ``keys`` are prefix chains, each key the child of the one before except at the
+        indexes of ``chains``, where a chain continues the key given (None: starts one; default
+        ``{0: None}``). ``durable`` with ``wait=False`` (host tier): return once the disk write is
+        queued; :meth:`sync` waits for it (a client streams a large durable put: its next copy overlaps
+        this write). ``remote``: every block is written through, admitted or not, before the return
+        (if writable). ``tokens``: each block's token ids (int32), kept for KV events when they are on."""
+        if len(keys) != len(offsets):
+            raise BadRequest("keys and slots differ in length")
+        if durable and not self.disk_on:
+            raise BadRequest("durable=True needs the disk tier, which is disabled")
+        if self.slots.tier(tier) == "gpu":
+            return self.commit_gpu(s, ns, keys, offsets, durable, remote, tokens)
+        return self._commit_host(s, ns, keys, offsets, durable, wait, chains or {0: None}, remote, tokens)
+
+    def _commit_host(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
+                     wait: bool, chains: dict[int, bytes | None], remote: bool,
+                     tokens: list[bytes] | None) -> int:
+        """Publish written host slots under ``keys``, prefix chains starting at the indexes of ``chains``."""
         fks = [s.fp + k for k in keys]
         remote = remote and self.remote_writable()
-        with st.lock:
+        with self.ctx.lock:
             _check_slots(offsets, s.slots, "slot")
             starts = {i: None if p is None else s.fp + p for i, p in chains.items()}
             new, committed = self._publish_host(s, ns, fks, offsets, starts, tokens)
-            if st.disk is not None and getattr(st.diskp.policy, "shadow", None) is not None:
-                for b in new:  # computed: held by no tier, a reference at the disk's level too
-                    st.diskp.policy.referenced(b.fk, b.parent)
+            self.signals.computed(new)
             # the producer side of PD across nodes: the prefix its blocks continue goes to the remote too
-            through = st.transfers.write_through(committed + self._ancestors(starts) if remote else new, every=remote)
-            now = time.monotonic()
-            bounds = sorted({0, *starts, len(fks)})
-            for lo, hi in zip(bounds, bounds[1:]):  # each chain on its own
-                st.host_reuse.stored(fks[lo:hi], now)
-                if st.cfg.disk.admission == "predicted":
-                    st.admission.stored(fks[lo:hi], now)
+            through = self.transfers.write_through(committed + self._ancestors(starts) if remote else new,
+                                                   every=remote)
+            self.signals.stored(fks, starts)
             durable_blocks = [b for b in committed if not b.on_disk] if durable else []
-            job = st.transfers.store(durable_blocks) if durable_blocks else None
+            job = self.transfers.store(durable_blocks) if durable_blocks else None
             if job is not None and not wait:
                 s.pending.append(job)
                 job = None
-            st.changed.notify_all()
+            self.ctx.notify()
         self._finish(job, through)
-        st.evictor.kick()
+        self.kick(False)
         return len(new)
 
     def _publish_host(self, s: Session, ns: Namespace, fks: list[bytes], offsets: list[int],
@@ -131,7 +160,7 @@ class StorePath:
                       tokens: list[bytes] | None) -> tuple[list[Block], list[Block]]:
         """Records for committed host slots, chains starting at ``starts`` (index: parent): (new
         blocks, every committed block). Lock held."""
-        st = self.st
+        table, hp = self.table, self.hostp
         new: list[Block] = []
         committed: list[Block] = []
         parent: bytes | None = None
@@ -139,22 +168,22 @@ class StorePath:
             if i in starts:
                 parent = starts[i]
             del s.slots[off]
-            b = st.table.get(fk)
+            b = table.get(fk)
             if b is None:
-                b = st.table.add(Block(fk, ns.layout.block_bytes, host_off=off, parent=parent,
-                                       tokens=tokens[i] if tokens else None))
-                st.hostp.inserted(b, parent)
-                st.hostp.policy.on_access(fk)  # a store is a use (insert alone is not counted)
-                st.hostp.stats.bytes_in += b.nbytes
+                b = table.add(Block(fk, ns.layout.block_bytes, host_off=off, parent=parent,
+                                    tokens=tokens[i] if tokens else None))
+                hp.inserted(b, parent)
+                hp.policy.on_access(fk)  # a store is a use (insert alone is not counted)
+                hp.stats.bytes_in += b.nbytes
                 new.append(b)
             elif b.host_off is None and b.loading is None:
                 if tokens and b.tokens is None:
                     b.tokens = tokens[i]
                 b.host_off = off  # on disk only: keep the fresh copy hot instead of reading it back
-                st.hostp.inserted(b, parent)
+                hp.inserted(b, parent)
             else:
-                st.host.free(off)  # deduplicated
-                st.hostp.touch(b)
+                self.host.free(off)  # deduplicated
+                hp.touch(b)
             committed.append(b)
             parent = fk
         return new, committed
@@ -162,52 +191,53 @@ class StorePath:
     def commit_gpu(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
                    remote: bool = False, tokens: list[bytes] | None = None) -> int:
         """Publish GPU slots; their copies to host memory (then disk) go on in the background."""
-        st = self.st
-        assert st.gpu is not None and st.gpup is not None and st.gpu_path is not None  # st.tier checked
+        path = self.gpu_path
+        assert path is not None  # the caller's slots.tier checked that the GPU tier is on
+        gpup = path.gpup
         fks = [s.fp + k for k in keys]
         new: list[Block] = []
         committed: list[Block] = []
         remote = remote and self.remote_writable()
-        with st.lock:
+        with self.ctx.lock:
             _check_slots(offsets, s.gpu_slots, "GPU slot")
             for i, (fk, off) in enumerate(zip(fks, offsets)):
                 del s.gpu_slots[off]
-                b = st.table.get(fk)
+                b = self.table.get(fk)
                 if b is None:
-                    b = st.table.add(Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True,
-                                           tokens=tokens[i] if tokens else None))
-                    st.gpup.inserted(b)
-                    st.gpup.stats.bytes_in += b.nbytes
+                    b = self.table.add(Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True,
+                                             tokens=tokens[i] if tokens else None))
+                    gpup.inserted(b)
+                    gpup.stats.bytes_in += b.nbytes
                     new.append(b)
                 elif b.gpu_off is None and b.gpu_loading is None:
                     b.gpu_off = off  # cached in a colder tier: keep the fresh device copy hot
-                    st.gpup.inserted(b)
+                    gpup.inserted(b)
                 else:
-                    st.gpu.free(off)  # deduplicated
-                    st.hostp.touch(b)
+                    path.gpu.free(off)  # deduplicated
+                    self.hostp.touch(b)
                 committed.append(b)
-            st.gpu_path.drain(new)
-            st.changed.notify_all()
+            path.drain(new)
+            self.ctx.notify()
         if durable or remote:
             self._after_drain([b for b in committed if not b.on_disk] if durable else [], committed if remote else [])
         return len(new)
 
     def _after_drain(self, durable: list[Block], remote: list[Block]) -> None:
         """Wait for GPU commits to reach host memory, then write ``durable`` to disk (waiting for the
-        sync) and ``remote`` through to the remote tier (waiting for the write)."""
-        st = self.st
-        deadline = time.monotonic() + max(30.0, st.cfg.server.drain_timeout_s)
-        with st.lock:
+        sync) and ``remote`` through to the remote tier (waiting for the write), each within
+        ``server.commit_wait_s``."""
+        ctx = self.ctx
+        deadline = time.monotonic() + ctx.cfg.server.commit_wait_s
+        with ctx.lock:
             while any(b.draining for b in durable + remote):
-                if st.closing or time.monotonic() > deadline:
+                if not ctx.wait_until(deadline):
                     if durable:
                         raise TierFull("durable write failed: blocks did not reach host memory in time")
                     log.warning("remote commit: %d blocks did not reach host memory in time", len(remote))
                     return
-                st.changed.wait(0.05)
             todo = [b for b in durable if not b.on_disk and b.host_ready]
-            job = st.transfers.store(todo) if todo else None
-            through = st.transfers.write_through(remote, every=True) if remote else []
+            job = self.transfers.store(todo) if todo else None
+            through = self.transfers.write_through(remote, every=True) if remote else []
         self._finish(job, through)
 
     def _finish(self, job: Job | None, through: list[Job]) -> None:
@@ -226,8 +256,8 @@ class StorePath:
             raise err
 
     def _wait_remote(self, jobs: list[Job]) -> None:
-        """Wait (bounded) for the remote writes of a commit; log what did not land."""
-        deadline = time.monotonic() + max(30.0, self.st.cfg.server.drain_timeout_s)
+        """Wait (at most ``server.commit_wait_s``) for the remote writes of a commit; log what did not land."""
+        deadline = time.monotonic() + self.ctx.cfg.server.commit_wait_s
         late = sum(not j.wait(max(0.0, deadline - time.monotonic())) for j in jobs)
         lost = sum(1 for j in jobs if j.done.is_set() for m in j.moves if not m.ok)
         if late or lost:
@@ -239,16 +269,16 @@ class StorePath:
         on the remote tier: a prefix the engine loaded rather than computed. Lock held."""
         out: list[Block] = []
         for parent in starts.values():
-            b = self.st.table.get(parent) if parent is not None else None
+            b = self.table.get(parent) if parent is not None else None
             while b is not None and not b.on_remote and len(out) < limit:
                 out.append(b)
-                b = self.st.table.get(b.parent) if b.parent is not None else None
+                b = self.table.get(b.parent) if b.parent is not None else None
         return out
 
     def remote_writable(self) -> bool:
         """Whether a commit's write-through can be waited for: a remote tier whose breakers let writes
         through (otherwise the write would be dropped at once: the commit does not wait for it)."""
-        return self.st.remote is not None and self.st.remote.writable()
+        return self.remote is not None and self.remote.writable()
 
     # ---- sync and abort ---------------------------------------------------------------------------
     def sync(self, s: Session) -> None:
@@ -257,7 +287,7 @@ class StorePath:
         Raises:
             TierKVError: one of them failed (the first error); every one was waited for.
         """
-        with self.st.lock:
+        with self.ctx.lock:
             jobs, s.pending = s.pending, []
         failed: TierKVError | None = None
         for job in jobs:
@@ -269,16 +299,18 @@ class StorePath:
 
     def abort(self, s: Session, offsets: list[int], gpu: bool) -> None:
         """Give back allocated slots without committing them."""
-        st = self.st
-        pool: SlabAllocator | None
-        pool, mine = (st.gpu, s.gpu_slots) if gpu else (st.host, s.slots)
-        assert pool is not None  # for GPU slots the caller's st.tier checked that the GPU tier is on
-        with st.lock:
+        pool: SlabAllocator
+        if gpu:
+            assert self.gpu_path is not None  # the caller's slots.tier checked that the GPU tier is on
+            pool, mine = self.gpu_path.gpu, s.gpu_slots
+        else:
+            pool, mine = self.host, s.slots
+        with self.ctx.lock:
             for off in offsets:
                 if off in mine:
                     del mine[off]
                     pool.free(off)
-            st.changed.notify_all()
+            self.ctx.notify()
 
 
 def _check_slots(offsets: list[int], owned: dict[int, int], what: str) -> None:

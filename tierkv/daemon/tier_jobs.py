@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tierkv.cache.block import Block, LoadSignal
 from tierkv.core.errors import TierFull
 from tierkv.core.keys import Namespace
+from tierkv.daemon.parts import TransferParts
 from tierkv.daemon.settle import completion, moves, settle
 from tierkv.movers.jobs import failed_job
 from tierkv.movers.transfer import VERIFY, Job, Move
-
-if TYPE_CHECKING:
-    from tierkv.daemon.blockstore import BlockStore
 
 log = logging.getLogger("tierkv.table")
 TO_DISK = ("host", "disk")
@@ -31,7 +29,7 @@ TO_DISK = ("host", "disk")
 class TierJobs:
     """Starts the store's host <-> disk, host <-> remote and disk verify jobs, and settles them."""
 
-    def __init__(self, st: BlockStore) -> None:
+    def __init__(self, st: TransferParts) -> None:
         self.st = st
         self._inflight: dict[bytes, Job] = {}  # remote writes not finished yet, by block
 

@@ -26,6 +26,8 @@ class DeviceMover:
 
     def __init__(self, book: JobBook, budgets: LinkBudgets, pool: Any, host: Any) -> None:
         self.pool = pool
+        self.host = host
+        self._host_t: Any = None  # torch view of the whole host pool, made on first use
         self.registered = 0  # host pool address registered with cudaHostRegister
         self._book = book
         self._budgets = budgets
@@ -38,6 +40,15 @@ class DeviceMover:
         self._h2d = make_queue(pool.kind, "h2d", pool.index, high_priority=True, gate=self._gate)
         self._d2h = make_queue(pool.kind, "d2h", pool.index, high_priority=False, gate=self._gate)
         book.add_links("host->gpu", "gpu->host")
+
+    def host_view(self, offset: int, nbytes: int) -> Any:
+        """A torch view of a host slot, sliced from one tensor over the whole pool: slots adjacent in
+        the pool are then adjacent in one storage, and the copy queues merge them into one copy."""
+        if self._host_t is None:
+            import torch
+
+            self._host_t = torch.from_numpy(self.host.array)
+        return self._host_t[offset:offset + nbytes]
 
     def _gate(self, nbytes: int) -> Any:
         return self._budgets.transfer("gpu<->host", nbytes)

@@ -133,6 +133,12 @@ class TransferEngine:
         self._routes[("host", "gpu")] = self._device.to_device
         self._routes[("gpu", "host")] = self._device.to_host
 
+    def host_view(self, offset: int, nbytes: int) -> Any:
+        """A host slot as the device copies take it (a torch view); needs :meth:`attach_device`."""
+        if self._device is None:
+            raise RuntimeError("no GPU tier attached: host views are for device copies")
+        return self._device.host_view(offset, nbytes)
+
     def _load_remote(self, job: Job) -> None:
         """Fetch, verify and decode the moves from the remote tier into their host slots (one batch)."""
         mover, moves = self._remote, job.moves

@@ -1,0 +1,40 @@
+"""What every path of the block store shares: one lock, the condition its waiters wait on, the running
+settings, the closing flag and the health reason. Waits on the condition are woken by ``notify``
+whenever blocks become free, clean or settled; a wait ends at its deadline or when the store closes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tierkv.daemon.config import Config
+
+
+class Context:
+    """The store's lock and condition, its settings and its lifecycle flags."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.closing = False
+        self.degraded = ""  # why the store is degraded ("" when healthy)
+
+    def notify(self) -> None:
+        """Wake every waiter (a block became free, clean or settled). Lock held."""
+        self.changed.notify_all()
+
+    def wait_until(self, deadline: float) -> bool:
+        """Wait on the condition until notified or ``deadline`` (monotonic seconds); False once the
+        deadline has passed or the store is closing. Lock held."""
+        left = deadline - time.monotonic()
+        if left <= 0 or self.closing:
+            return False
+        self.changed.wait(left)
+        return not self.closing
+
+    def close(self) -> None:
+        """Mark the store closing and wake every waiter (their waits end)."""
+        with self.lock:
+            self.closing = True
+            self.changed.notify_all()

@@ -1,0 +1,103 @@
+"""What the engine's requests tell the policies: the chains a request uses, the blocks a commit
+stores, a finished request's tail, attention mass per block. The reuse models (host reuse, disk
+admission) and the disk order's shadow learn from them; the models are kept across restarts."""
+
+from __future__ import annotations
+
+import time
+
+from tierkv.cache.block import Block, Session
+from tierkv.cache.placement import DiskPlacement, HostPlacement
+from tierkv.cache.policy.placement import Placement
+from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.table import BlockTable
+from tierkv.daemon.context import Context
+
+
+class Signals:
+    """Feeds the reuse models and the policies from requests, commits and the engine's signals."""
+
+    def __init__(self, ctx: Context, table: BlockTable, hostp: HostPlacement, diskp: DiskPlacement,
+                 host_reuse: ReuseModel, admission: Placement, disk_on: bool) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.hostp = hostp
+        self.diskp = diskp
+        self.host_reuse = host_reuse
+        self.admission = admission
+        self.disk_on = disk_on
+
+    def requested(self, s: Session, keys: list[bytes]) -> None:
+        """A request uses its prefix chain ``keys`` (fetch, acquire, prefetch; a lookup is only a
+        query, and clients mostly answer it from the shared index): the reuse models learn from it."""
+        fks, now = [s.fp + k for k in keys], time.monotonic()
+        with self.ctx.lock:
+            self.host_reuse.requested(fks, now)
+            if self.ctx.cfg.disk.admission == "predicted":
+                self.admission.requested(fks, now)
+            if self.disk_on:
+                self.disk_referenced(fks)
+
+    def disk_referenced(self, fks: list[bytes]) -> None:
+        """The blocks of chain ``fks`` that host memory does not hold are the disk tier's references
+        (its policy's shadow compares orders on them). Lock held."""
+        if getattr(self.diskp.policy, "shadow", None) is None:
+            return  # no shadow to feed (another policy, or disk.order_shadow_rate 0): no walk per request
+        ref, table, parent = self.diskp.policy.referenced, self.table, None
+        for fk in fks:
+            b = table.get(fk)
+            if b is None or b.host_off is None:
+                ref(fk, parent)
+            parent = fk
+
+    def computed(self, new: list[Block]) -> None:
+        """Blocks a commit added: computed, held by no tier, so a reference at the disk's level too. Lock held."""
+        if self.disk_on and getattr(self.diskp.policy, "shadow", None) is not None:
+            for b in new:
+                self.diskp.policy.referenced(b.fk, b.parent)
+
+    def stored(self, fks: list[bytes], starts: dict[int, bytes | None]) -> None:
+        """A commit stored chains ``fks`` (each chain starting at an index of ``starts``). Lock held."""
+        now = time.monotonic()
+        bounds = sorted({0, *starts, len(fks)})
+        for lo, hi in zip(bounds, bounds[1:]):  # each chain on its own
+            self.host_reuse.stored(fks[lo:hi], now)
+            if self.ctx.cfg.disk.admission == "predicted":
+                self.admission.stored(fks[lo:hi], now)
+
+    def request_finished(self, s: Session, keys: list[bytes], output_tokens: int | None = None) -> int:
+        """The engine finished a request whose prompt and output chain is ``keys`` (``output_tokens``
+        generated, if it says): a conversation tail its next turn may extend. Returns how many of the
+        keys are cached."""
+        fks = [s.fp + k for k in keys]
+        with self.ctx.lock:
+            now = time.monotonic()
+            self.host_reuse.request_finished(fks, now, output_tokens)
+            self.admission.request_finished(fks, now, output_tokens)
+            return sum(1 for fk in fks if fk in self.table)
+
+    def touch(self, s: Session, keys: list[bytes], scores: list[float]) -> int:
+        """Record attention mass per block (1.0 = uniform) for the policies; returns blocks found."""
+        found = 0
+        with self.ctx.lock:
+            for k, mass in zip(keys, scores):
+                b = self.table.get(s.fp + k)
+                if b is None:
+                    continue
+                found += 1
+                b.mass = mass
+                if b.fk in self.hostp.policy:
+                    self.hostp.policy.on_touch(b.fk, mass)
+                if b.on_disk:
+                    self.diskp.policy.on_touch(b.fk, mass)
+        return found
+
+    def learned_models(self) -> dict[str, ReuseModel]:
+        """The reuse models whose class counts are kept across restarts."""
+        return learned_models(self.host_reuse, self.admission)
+
+
+def learned_models(host_reuse: ReuseModel, admission: Placement) -> dict[str, ReuseModel]:
+    """The reuse models whose class counts are kept across restarts, by name."""
+    return {"host": host_reuse, "disk": admission.model, "disk-eviction": admission.evict_model,
+            "disk-floor": admission.floor_model}
