@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.admission import Admission
+from tierkv.cache.reuse import ReuseModel
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -120,7 +120,7 @@ def test_the_eviction_model_learns_over_a_shorter_ghost_list():
     """The disk order's model sees every signal the admission model sees, on a ghost list
     ``evict_horizon`` times as long: a block that returns after more departures than that counts a
     miss for the eviction model and a return for the admission model."""
-    rule = Placement("predicted", ghost_entries=100, evict_horizon=0.5)
+    rule = Admission("predicted", ghost_entries=100, evict_horizon=0.5)
     assert rule.evict_model.settings()["ghost_entries"] == 50
     rule.requested([b"late"], 0.0)
     cls = rule.model.block_class(b"late", 0.0)  # the class it leaves with
@@ -143,7 +143,7 @@ def test_the_floor_skips_tails_that_never_return():
     finds its class comes back less often than ``floor``, writer idle or busy; the admission model,
     whose list has not turned over yet, still holds the prior for that class. Other blocks are the
     admission model's to decide."""
-    rule = Placement("predicted", ghost_entries=400, floor_horizon=0.25)
+    rule = Admission("predicted", ghost_entries=400, floor_horizon=0.25)
     assert rule.floor_model.settings()["ghost_entries"] == 100
     for i in range(150):
         live, dead = (b"live", i), (b"dead", i)
@@ -214,7 +214,7 @@ def test_durable_puts_are_written_whatever_the_rule(daemon_factory):
 def test_rule_learns_that_finished_tails_come_back():
     """Chains that are extended after they finish are written under pressure; a class of blocks
     that never returns is skipped once the ghost list has seen enough of it."""
-    rule = Placement("predicted", ghost_entries=64, write_s=0.03)
+    rule = Admission("predicted", ghost_entries=64, write_s=0.03)
     now = 0.0
     for i in range(200):  # one-shot chains of length 1: dropped, never requested again
         key = ("once", i)
@@ -240,7 +240,7 @@ def test_rule_learns_that_finished_tails_come_back():
 def test_rule_learns_which_output_lengths_come_back():
     """Documents asked about with a short answer are sent again, long generations are not: once the
     ghost list has seen both, a new block is written under pressure only for the short kind."""
-    rule = Placement("predicted", ghost_entries=64, write_s=0.03)
+    rule = Admission("predicted", ghost_entries=64, write_s=0.03)
     now = 0.0
     for i in range(150):
         for kind, out in (("short", 8), ("long", 900)):
@@ -336,17 +336,17 @@ def test_host_stats_show_the_learned_reuse(daemon_factory):
 
 
 def test_rule_modes_and_bad_settings():
-    assert Placement("all").wants("k", 0.0)
-    assert not Placement("pinned").wants("k", 0.0)
-    reused = Placement("reused")
+    assert Admission("all").wants("k", 0.0)
+    assert not Admission("pinned").wants("k", 0.0)
+    reused = Admission("reused")
     reused.requested(["k"], 0.0)
     assert not reused.wants("k", 0.0)
     reused.requested(["k"], 1.0)
     assert reused.wants("k", 1.0)
     with pytest.raises(ValueError, match="admission mode"):
-        Placement("sometimes")
+        Admission("sometimes")
     with pytest.raises(ValueError, match="no setting"):
-        Placement(bogus=1)
+        Admission(bogus=1)
     with pytest.raises(ValueError, match="admission mode"):
         reused.update(mode="never")
     assert reused.mode == "reused"

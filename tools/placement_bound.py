@@ -22,8 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from tierkv.ops.replay_cli import daemon_config, tiers_for
-from tierkv.sim.config import ReplayConfig, TierSpec
 from tierkv.sim.simulator import Simulator
+from tierkv.sim.spec import ReplayConfig, TierSpec
 from tierkv.sim.trace import load_trace
 from tierkv.sim.workload import Workload
 

@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.policy import Policy
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.core.errors import TierFull
 
@@ -98,7 +98,7 @@ class HostPlacement:
     """Host slots: allocation under the effective limit, eviction of clean blocks, demotion to disk."""
 
     def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy[bytes], disk: DiskPlacement,
-                 has_disk: bool, reuse: ReuseModel, admission: Placement, cfg: Any,
+                 has_disk: bool, reuse: ReuseModel, admission: Admission, cfg: Any,
                  writer_idle: Callable[[], bool]) -> None:
         self.table, self.pool, self.policy, self.disk, self.has_disk = table, pool, policy, disk, has_disk
         self.reuse, self.admission, self.cfg = reuse, admission, cfg

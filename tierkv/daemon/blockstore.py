@@ -15,13 +15,12 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from tierkv.cache.admission import Admission
 from tierkv.cache.block import Session
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
-from tierkv.cache.policy import History
 from tierkv.cache.policy import make_policy as _lru
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import History, ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace, chain_keys
@@ -66,7 +65,7 @@ class BlockStore:
         self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES, output_edges="")
         # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
         # history: the policies count uses with decay, admission counts each request once.
-        self.admission = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
+        self.admission = Admission(cfg.disk.admission, max_records=HISTORY_ENTRIES,
                                    ghost_entries=HISTORY_ENTRIES // 2, shadow_rate=cfg.disk.shadow_rate)
         self.admission.unit = self.history.branch  # the shadow samples branches, as the host's does
         self.data_dir = data_dir

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierkv.cache.policy import History, Policy, policy_class
+from tierkv.cache.policy import Policy, policy_class
 from tierkv.cache.policy import make_policy as _make
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import History, ReuseModel
 from tierkv.daemon.config import Config
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostPool
@@ -88,7 +88,7 @@ def make_host_policy(cfg: Config, history: History, reuse: ReuseModel) -> Policy
 
 def make_disk_policy(cfg: Config, history: History, evict_model: ReuseModel) -> Policy:
     """The disk tier's policy: weighted by the admission rule's eviction model
-    (:attr:`Placement.evict_model`) under ``predicted`` admission, aged by ``disk.idle_aging``, with the
+    (:attr:`Admission.evict_model`) under ``predicted`` admission, aged by ``disk.idle_aging``, with the
     LRU shadow of ``disk.order_shadow_rate`` fed by the disk's references."""
     reuse = evict_model if cfg.disk.admission == "predicted" else None
     policy = make_policy(cfg.disk.policy, cfg, history, reuse,

@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
+from tierkv.cache.admission import MODES
 from tierkv.cache.policy import policy_class, policy_names
-from tierkv.cache.policy.placement import MODES
 from tierkv.daemon.config import Config, load_config
 from tierkv.sim.advise import advise_admission
 from tierkv.sim.replay import (

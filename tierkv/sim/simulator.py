@@ -9,7 +9,7 @@ The model, per request in timestamp order:
    first tier. Every page of the request is protected (leased) while room is made.
 3. Making room: the tier's policy picks victims (all or nothing); a victim with a copy further
    down just leaves, the others are written to the next tier if its admission rule
-   (:class:`~tierkv.cache.policy.placement.Placement`) takes them, else dropped.
+   (:class:`~tierkv.cache.admission.Admission`) takes them, else dropped.
 4. Time to first token: ``max(recompute time of the missed tokens, load time of the hit bytes)``
    (loads overlap layer-wise with compute); recompute cost per token grows with its position.
 5. The request finishes: its pages are a chain tail until a later request extends the chain (the
@@ -26,13 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from tierkv.cache.policy import History, Policy, make_policy, policy_class
+from tierkv.cache.admission import Admission
+from tierkv.cache.policy import Policy, make_policy, policy_class
 from tierkv.cache.policy.attention import AttentionPolicy
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import History, ReuseModel
 from tierkv.core.units import parse_capacity
-from tierkv.sim.config import ReplayConfig, TierSpec
 from tierkv.sim.result import ReplayResult, percentile
+from tierkv.sim.spec import ReplayConfig, TierSpec
 from tierkv.sim.stack import TierStack
 from tierkv.sim.workload import Workload, prefill_seconds
 
@@ -81,7 +81,7 @@ class Simulator:
         self.parent_of: dict[int, int] = {}  # page -> previous page of its prefix
         self._writer_free = [0.0] * len(config.tiers)  # trace time each tier's writer is done
         self._hit_tok = 0
-        self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
+        self.rules: list[Admission | None] = [self._make_rule(i) for i in range(len(config.tiers))]
         self._signals: list[Any] = [r for r in self.rules if r is not None]
         for tier, rule in enumerate(self.rules):  # a colder tier weighs blocks by its rule's eviction model
             pol = self.policies[tier]
@@ -93,7 +93,7 @@ class Simulator:
         self.admission_name = ",".join(modes) if modes else "none"
         self.placement_name = ",".join(f"{t.name}={n}" for t, n in zip(config.tiers, names))
 
-    def _make_rule(self, tier: int) -> Placement | None:
+    def _make_rule(self, tier: int) -> Admission | None:
         """The admission rule of tier ``tier`` (None: every victim is written)."""
         spec = self.config.tiers[tier]
         if tier == 0 or spec.admission_mode == "all":
@@ -102,7 +102,7 @@ class Simulator:
         settings = dict(self.config.admission_settings)
         settings.setdefault("ghost_entries", max(16, self.caps[tier] // max(self.sizes[tier], 1)))
         settings.setdefault("max_records", max(1 << 16, 4 * self.w.unique_pages))
-        rule = Placement(spec.admission_mode, **settings)
+        rule = Admission(spec.admission_mode, **settings)
         rule.resize(self.caps[tier])
         rule.unit = self.history.branch
         return rule

@@ -3,7 +3,7 @@
 Admission by predicted reuse, not by past use. A block evicted before its first reuse (the previous
 turn of a conversation whose next turn has not come yet) is exactly the block a chat needs next, so
 a rule that waits for a second use drops it. The ``predicted`` rule asks a
-:class:`~tierkv.cache.policy.reuse.ReuseModel` (a ghost list per block class) for the chance ``p`` that a
+:class:`~tierkv.cache.reuse.model.ReuseModel` (a ghost list per block class) for the chance ``p`` that a
 victim is requested again, and writes it when the expected saving beats the write::
 
     p * recompute_s * (1 + depth_cost * depth) >= write_s
@@ -21,17 +21,17 @@ model's, so it counts a tail that never returns as a miss after a quarter of the
 admission model waits (on a short trace, that model's list may never turn over). A tail whose class
 returns less often than ``floor`` (0.05) within that shorter list is not written, writer idle or
 busy. Other blocks are left to the admission model: a class that returns late (after the shorter
-list) would look dead to the floor (docs/placement.md).
+list) would look dead to the floor (docs/eviction-admission.md).
 
 The colder tier's eviction order weighs its blocks by a second model (``evict_model``, a
-:meth:`~tierkv.cache.policy.reuse.ReuseModel.sibling` over the same block records), whose ghost list
+:meth:`~tierkv.cache.reuse.model.ReuseModel.sibling` over the same block records), whose ghost list
 is ``evict_horizon`` (0.75) times as long: the order wants the chance of a
 return while the tier would still hold the block, the admission rule a more generous one (on the
 synthetic trace the shorter list gains the eviction order 0.4-0.5 points and costs the admission
-rule 3.5: docs/placement.md).
+rule 3.5: docs/eviction-admission.md).
 
 With ``shadow_rate`` > 0 the ``predicted`` rule never trails writing every victim for long: an
-:class:`~tierkv.cache.policy.admission_shadow.AdmissionShadow` feeds the victims of a hash sample of
+:class:`~tierkv.cache.admission_shadow.AdmissionShadow` feeds the victims of a hash sample of
 the branches (``unit``, set by the owner: the branch of a key; the key itself by default) to two
 small LRU caches, one taking the rule's writes and one every victim, and while write-all hits
 clearly more there every victim is written (as ``all``).
@@ -44,9 +44,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from tierkv.cache.policy.admission_shadow import AdmissionShadow
+from tierkv.cache.admission_shadow import AdmissionShadow
 from tierkv.cache.policy.base import Setting, checked_settings
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import ReuseModel
 
 MODES = ("predicted", "reused", "all", "pinned")
 
@@ -61,7 +61,7 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
-class Placement:
+class Admission:
     """The admission rule of one cold tier (see the module docstring).
 
     Args:
