@@ -340,9 +340,11 @@ def test_rule_modes_and_bad_settings():
     assert not Admission("pinned").wants("k", 0.0)
     reused = Admission("reused")
     reused.requested(["k"], 0.0)
-    assert not reused.wants("k", 0.0)
     reused.requested(["k"], 1.0)
-    assert reused.wants("k", 1.0)
+    assert not reused.wants("k", 1.0)  # requests the rule saw are not hits: the caller counts those
+    assert reused.wants("k", 1.0, hits=1) and reused.wants("k", 1.0, sharers=1)
+    assert reused.wants("k", 1.0, pinned=True) and not reused.wants("k", 1.0, sharers=1, mode="pinned")
+    assert Admission("predicted").wants("k", 1.0, hits=1, mode="reused")  # the remote tier's mode
     with pytest.raises(ValueError, match="admission mode"):
         Admission("sometimes")
     with pytest.raises(ValueError, match="no setting"):

@@ -10,8 +10,9 @@ victim is requested again, and writes it when the expected saving beats the writ
 
 Write bandwidth is a budget: while the writer has spare bandwidth (``spare``, from the caller) every
 victim goes but the tails under the floor (below); under pressure the least valuable are skipped
-first. Pinned and shared blocks are always written. The other modes: ``reused`` (used twice, shared or pinned),
-``all``, ``pinned``.
+first. Pinned and shared blocks are always written. The other modes: ``reused`` (a block used again
+since it was cached, a leased or a pinned one: :func:`reused`), ``all``, ``pinned``. The daemon's
+remote tier asks the same rule with its own mode (``remote.admission``).
 
 The floor: a chain's tail (the last block of the request it was last seen in, which no later
 request has extended) comes back only when a later request holds it whole: the next turn of a
@@ -59,6 +60,12 @@ def _check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"admission mode must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
+
+
+def reused(hits: int, sharers: int, pinned: bool) -> bool:
+    """The ``reused`` rule: the block was used again since it was cached (``hits``: leases and stores
+    that found it cached), is leased now (``sharers``) or belongs to a pinned prefix."""
+    return pinned or hits >= 1 or sharers >= 1
 
 
 class Admission:
@@ -149,19 +156,21 @@ class Admission:
         self.floor_model.returned(keys)
 
     # -- the decision -----------------------------------------------------------------------------
-    def wants(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
-              spare: bool = False) -> bool:
-        """Whether a victim ``key`` would be written (no side effects; see :meth:`admit`)."""
-        return self._rule(key, now, sharers, pinned, spare) or self.writes_all
+    def wants(self, key: Hashable, now: float, *, hits: int = 0, sharers: int = 0, pinned: bool = False,
+              spare: bool = False, mode: str | None = None) -> bool:
+        """Whether a victim ``key`` would be written (no side effects; see :meth:`admit`). ``mode``:
+        another tier's mode (the remote tier's ``reused``, ``all`` or ``pinned``) instead of the rule's."""
+        mode = self.mode if mode is None else _check_mode(mode)
+        return self._rule(mode, key, now, hits, sharers, pinned, spare) or (mode == "predicted" and self.writes_all)
 
-    def _rule(self, key: Hashable, now: float, sharers: int, pinned: bool, spare: bool) -> bool:
-        mode = self.mode
+    def _rule(self, mode: str, key: Hashable, now: float, hits: int, sharers: int, pinned: bool,
+              spare: bool) -> bool:
         if mode == "all" or pinned:
             return True
         if mode == "pinned":
             return False
         if mode == "reused":
-            return sharers >= 2 or self.model.uses(key) >= 2
+            return reused(hits, sharers, pinned)
         if sharers >= 2:
             return True
         s = self._settings
@@ -172,7 +181,7 @@ class Admission:
         saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self.model.depth(key))
         return self.model.p(key, now) * saved >= s["write_s"]
 
-    def admit(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
+    def admit(self, key: Hashable, now: float, *, hits: int = 0, sharers: int = 0, pinned: bool = False,
               spare: bool = False, size: int = 1) -> bool:
         """Whether a victim ``key`` is written to the tier; counts the decision and, in ``predicted``
         mode, remembers it on the model's ghost list.
@@ -180,13 +189,14 @@ class Admission:
         Args:
             key: the block leaving the faster tier.
             now: the caller's clock (seconds).
-            sharers: live leases plus prefix children.
+            hits: uses of the block since it was cached (``reused``).
+            sharers: live leases on the block.
             pinned: the block belongs to a pinned prefix.
             spare: the writer has spare bandwidth (its queue is empty): every victim goes but the
                 tails under the floor.
             size: the bytes the block takes in the tier (for the shadow).
         """
-        ok = self._rule(key, now, sharers, pinned, spare)
+        ok = self._rule(self.mode, key, now, hits, sharers, pinned, spare)
         if self.mode == "predicted":
             self.model.left(key, now)
             self.evict_model.left(key, now)

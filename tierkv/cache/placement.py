@@ -201,25 +201,20 @@ class HostPlacement:
 
     # ---- admission --------------------------------------------------------------------------------
     def worth_writing(self, b: Block, mode: str) -> bool:
-        """The admission rule of a colder tier: every block, the ones the placement rule predicts are
-        read again (every one but the tails under its floor while the writer keeps up), blocks used
-        twice / shared / pinned, or pinned only."""
-        if mode == "predicted":
-            return self.admission.wants(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
-                                        spare=self.writer_idle())
-        return mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
+        """Whether the admission rule, in ``mode`` (the disk's or the remote tier's), writes ``b`` to a
+        colder tier: every block, the ones the rule predicts are read again (every one but the tails
+        under its floor while the writer keeps up), the reused ones or the pinned ones."""
+        return self.admission.wants(b.fk, time.monotonic(), hits=b.hits, sharers=b.leases, pinned=b.pin > 0,
+                                    spare=mode == "predicted" and self.writer_idle(), mode=mode)
 
     def admit(self, b: Block) -> bool:
         """Whether a host victim is worth a disk write (durable puts and the flush skip this); counted."""
-        mode = self.cfg.disk.admission
-        if mode != "predicted":
-            ok = self.worth_writing(b, mode)
-            self.admission.admitted += ok
-            self.admission.rejected += not ok
-            return ok
-        self.admission.resize(int(self.cfg.disk.high_watermark * self.disk.capacity()))
-        return self.admission.admit(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
-                                    spare=self.writer_idle(), size=self._disk_size(b))
+        predicted = self.admission.mode == "predicted"
+        if predicted:
+            self.admission.resize(int(self.cfg.disk.high_watermark * self.disk.capacity()))
+        return self.admission.admit(b.fk, time.monotonic(), hits=b.hits, sharers=b.leases, pinned=b.pin > 0,
+                                    spare=predicted and self.writer_idle(),
+                                    size=self._disk_size(b) if predicted else 1)
 
     def _disk_size(self, b: Block) -> int:
         """About the bytes ``b`` would take on disk (its size at the disk's compression so far)."""

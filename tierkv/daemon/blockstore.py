@@ -15,13 +15,13 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from tierkv.cache.admission import Admission
 from tierkv.cache.block import Session
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
 from tierkv.cache.policy import make_policy as _lru
 from tierkv.cache.reuse import History, ReuseModel
 from tierkv.cache.table import BlockTable
+from tierkv.cache.wiring import host_reuse
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.prefix import tier_tokens
@@ -31,7 +31,7 @@ from tierkv.daemon.events import open_events
 from tierkv.daemon.evictor import Evictor
 from tierkv.daemon.fetchpath import FetchPath
 from tierkv.daemon.gpupath import GpuPath, check_gpu
-from tierkv.daemon.startup import make_disk_policy, make_host_policy, open_tiers
+from tierkv.daemon.startup import make_admission, make_disk_policy, make_host_policy, open_tiers
 from tierkv.daemon.storepath import StorePath
 from tierkv.daemon.transfers import Transfers
 from tierkv.movers.transfer import TransferEngine
@@ -62,12 +62,10 @@ class BlockStore:
         # Which host blocks come back once they leave host memory (the host policy's reuse term). The
         # host policy scores a block while its request runs, before the generated-token count is
         # known, so that count is not one of its classes.
-        self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES, output_edges="")
+        self.host_reuse = host_reuse(HISTORY_ENTRIES)
         # Which host victims reach disk: learned from requests, stores and the engine's signals. Its own
         # history: the policies count uses with decay, admission counts each request once.
-        self.admission = Admission(cfg.disk.admission, max_records=HISTORY_ENTRIES,
-                                   ghost_entries=HISTORY_ENTRIES // 2, shadow_rate=cfg.disk.shadow_rate)
-        self.admission.unit = self.history.branch  # the shadow samples branches, as the host's does
+        self.admission = make_admission(cfg, self.history, HISTORY_ENTRIES)
         self.data_dir = data_dir
         learned.load(self.learned_models(), data_dir)
         self.diskp = DiskPlacement(self.table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg,

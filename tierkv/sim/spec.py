@@ -22,7 +22,8 @@ class TierSpec:
         compression: raw bytes / stored bytes (disk and remote tiers store encoded blocks).
         admission: the rule for blocks demoted here: a mode of
             :class:`~tierkv.cache.admission.Admission` (``predicted``, ``reused``, ``all``,
-            ``pinned``); ``True`` means ``reused`` (seen twice, shared or pinned), ``False`` ``all``.
+            ``pinned``); ``True`` means ``reused`` (used again since it was cached, or pinned), ``False``
+            ``all``.
         inclusive: a page read from this tier keeps its copy here (the daemon's disk tier does);
             otherwise it moves up and is written again when it is evicted.
         policy: this tier's eviction policy, instead of the one the run names.
