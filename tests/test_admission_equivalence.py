@@ -22,6 +22,7 @@ import pytest
 
 from tierkv.cache.block import Block
 from tierkv.cache.placement import DiskPlacement, HostPlacement
+from tierkv.cache.reuse import History
 from tierkv.cache.table import BlockTable
 from tierkv.cache.wiring import host_reuse
 from tierkv.core.keys import Namespace
@@ -90,9 +91,6 @@ class DaemonDecisions:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.table = BlockTable()
-        self.history_entries = HISTORY_ENTRIES
-        from tierkv.cache.reuse import History
-
         self.history = History(max_entries=HISTORY_ENTRIES)
         self.host_reuse = host_reuse(HISTORY_ENTRIES)
         self.admission = make_admission(cfg, self.history, HISTORY_ENTRIES)
