@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.tierkv-installed
 .PHONY: run test setup services lint bench clean
 
 run: setup
-	$(PY) -m tierkv.ops.mainjob
+	$(PY) examples/mainjob.py
 
 test: setup services
 	$(PY) -m pytest -q
@@ -34,7 +34,7 @@ services:
 	@bash tools/ensure_services.sh
 
 lint: setup
-	$(VENV)/bin/ruff check tierkv tests tools
+	$(VENV)/bin/ruff check tierkv tests tools examples
 
 bench: setup
 	$(PY) tools/bench_tiers.py

@@ -1,4 +1,4 @@
-/* tierkv._lookup: the shared lookup index, a hash set of cached block keys in a memfd.
+/* tierkv._native._lookup: the shared lookup index, a hash set of cached block keys in a memfd.
  *
  * Why: lookup is the scheduler's hot path (asked for every waiting request at every step). Through the
  * socket it costs a round trip and ~20 us of the daemon's GIL per call; with several busy engine

@@ -1,4 +1,4 @@
-/* tierkv._ntcopy: bulk copy into shared-memory slots with non-temporal stores.
+/* tierkv._native._ntcopy: bulk copy into shared-memory slots with non-temporal stores.
  *
  * Why: glibc's memcpy switches to non-temporal stores only above ~3/4 of the LLC size (192 MiB on the
  * development machines), so copying one 2 MiB KV block at a time runs at ~0.6x of bulk memcpy: the

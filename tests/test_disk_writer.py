@@ -20,6 +20,7 @@ from tierkv.tiers.disk import DiskTier
 
 LAYOUT = Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks
 FP = b"\x01" * 16
+TO_DISK = ("host", "disk")
 
 
 def _moves(n: int, seed: int) -> list[Move]:
@@ -57,9 +58,9 @@ def _stalled_then_queued(engine: TransferEngine, groups: list[list[Move]]) -> li
     disk = engine.disk
     assert disk is not None
     with disk._write_lock:
-        jobs = [engine.store(groups[0])]
+        jobs = [engine.submit(TO_DISK, groups[0])]
         _wait_dequeued(engine)
-        jobs += [engine.store(g) for g in groups[1:]]
+        jobs += [engine.submit(TO_DISK, g) for g in groups[1:]]
     for j in jobs:
         assert j.wait(30)
     return jobs
@@ -77,7 +78,7 @@ def test_queued_store_jobs_share_one_transaction(engine: TransferEngine) -> None
 
 
 def test_merged_transactions_keep_the_batch_limits(engine: TransferEngine) -> None:
-    engine.write_batch = 3  # blocks per transaction
+    engine.writes.batch = 3  # blocks per transaction
     groups = [_moves(1, 10 + s) for s in range(7)]
     before = _txnid(engine.disk)
     jobs = _stalled_then_queued(engine, groups)
@@ -93,10 +94,10 @@ def test_a_failed_merged_transaction_fails_each_job_and_counts_nothing(engine: T
     groups = [_moves(2, 20 + s) for s in range(4)]
     disk = engine.disk
     with disk._write_lock:
-        first = engine.store(groups[0])
+        first = engine.submit(TO_DISK, groups[0])
         _wait_dequeued(engine)
         disk.fault = fail
-        rest = [engine.store(g) for g in groups[1:]]
+        rest = [engine.submit(TO_DISK, g) for g in groups[1:]]
     for j in [first, *rest]:
         assert j.wait(30)
     disk.fault = None
@@ -109,7 +110,7 @@ def test_a_failed_merged_transaction_fails_each_job_and_counts_nothing(engine: T
 
 def test_blocks_of_a_committed_batch_count_when_a_later_batch_fails(engine: TransferEngine) -> None:
     """A job of several transactions whose second fails: the first's blocks are on disk and ``ok``."""
-    engine.write_batch = 2
+    engine.writes.batch = 2
     calls = []
 
     def second_fails(op: str) -> None:
@@ -120,7 +121,7 @@ def test_blocks_of_a_committed_batch_count_when_a_later_batch_fails(engine: Tran
 
     engine.disk.fault = second_fails
     moves = _moves(5, 30)
-    job = engine.store(moves)
+    job = engine.submit(TO_DISK, moves)
     assert job.wait(30)
     engine.disk.fault = None
     assert job.error is not None

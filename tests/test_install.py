@@ -1,6 +1,6 @@
 """tierkv installs as users install it: a wheel built from the tree goes into a fresh venv that has only
 torch, and works there without the checkout (the client, the vLLM connector's plain modules, the CUDA
-kernel's source, the default settings, and `tierkv serve`)."""
+kernel's source, the C extensions, the default settings, and `tierkv serve`)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ def test_the_wheel_works_in_a_fresh_venv_without_the_checkout(tmp_path):
     env["TIERKV_NO_REEXEC"] = "1"
     out = run([py, "-c", """
 import tierkv, tierkv.client, tierkv.client.events
+import tierkv._native._lookup, tierkv._native._ntcopy  # the C extensions, built into the wheel
 import tierkv.integrations.vllm.plan, tierkv.integrations.vllm.link, tierkv.integrations.vllm.pages
 import tierkv.integrations.vllm.transfer, tierkv.integrations.vllm.committer
 from tierkv.client.paged.kernel import kernel_source

@@ -19,8 +19,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the optional `model` extra
 
+import _demo_model as smol_model  # noqa: E402
+from _daemon_process import start_daemon, stop_daemon  # noqa: E402
+
 import tierkv  # noqa: E402
-from tierkv.integrations import model as smol_model  # noqa: E402
 from tierkv.integrations.transformers import (  # noqa: E402
     AttachedLM,
     AttentionProbe,
@@ -30,7 +32,6 @@ from tierkv.integrations.transformers import (  # noqa: E402
     model_layout,
     plain_generate,
 )
-from tierkv.ops.mainjob import start_daemon, stop_daemon  # noqa: E402
 
 T = 16  # tokens per block
 
@@ -351,12 +352,11 @@ def test_two_clients_share_a_system_prompt_once(smol, daemon):
         assert host_blocks(daemon) == total
 
 
-# --- tierkv demo -------------------------------------------------------------------------------
+# --- examples/demo.py----------------------------------------------------------------------------
 
 def test_demo_reads_one_turn_per_line_and_checks_turns(tmp_path):
     from click.testing import CliRunner
-
-    from tierkv.ops.demo import TURNS, demo, read_turns
+    from demo import TURNS, demo, read_turns
 
     f = tmp_path / "turns.txt"
     f.write_text("first question\n\n  second question  \n")
@@ -371,8 +371,7 @@ def test_demo_json_against_a_running_daemon(smol, daemon, tmp_path):
     import json
 
     from click.testing import CliRunner
-
-    from tierkv.ops.demo import demo
+    from demo import demo
 
     f = tmp_path / "turns.txt"
     f.write_text("How much does it cost to join?\nWhen is the library open?\n")

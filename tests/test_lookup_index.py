@@ -22,13 +22,13 @@ from tierkv.core.lookup_index import IndexedBlocks, LookupIndex, available
 
 from .helpers import SMALL
 
-pytestmark = pytest.mark.skipif(not available(), reason="tierkv._lookup did not build")
+pytestmark = pytest.mark.skipif(not available(), reason="tierkv._native._lookup did not build")
 
 FP = bytes(range(16))
 
 
 def _table(slots: int) -> tuple[mmap.mmap, object]:
-    from tierkv import _lookup
+    from tierkv._native import _lookup
 
     mm = mmap.mmap(-1, 64 + 8 * slots)
     assert _lookup.init(mm) == slots
@@ -86,7 +86,7 @@ def test_indexed_blocks_overflow_then_rebuild_when_it_fits_again():
         for i in range(900 - 400):
             del blocks[FP + i.to_bytes(4, "little")]
         assert not idx.overflowed and idx.info() == {"slots": 1024, "keys": 400, "overflow": False}
-        from tierkv import _lookup
+        from tierkv._native import _lookup
 
         present = [i.to_bytes(4, "little") for i in range(500, 900)]
         assert _lookup.prefix(idx._mm, FP, present) == 400

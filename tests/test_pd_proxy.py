@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from _vllm_server import free_port
 from click.testing import CliRunner
 
-from tierkv.integrations.vllm.launch import free_port
 from tierkv.ops.cli import main
 from tierkv.ops.pd_proxy import PDProxy, serve
 

@@ -26,6 +26,7 @@ redis_server = redis_servers.redis_server
 
 LAYOUT = tierkv.Layout(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16, dtype="bfloat16")
 FP = Namespace("mover-model", LAYOUT).fingerprint
+TO_DISK, TO_REMOTE, FROM_REMOTE = ("host", "disk"), ("host", "remote"), ("remote", "host")
 
 
 def _blocks(n: int, seed: int) -> np.ndarray:
@@ -64,10 +65,11 @@ def _count_encodes(monkeypatch) -> list[int]:
 def test_blocks_on_disk_are_sent_as_stored(engine, redis_server, monkeypatch):
     raw = _blocks(6, seed=1)
     on_disk = _moves(raw, "reuse-")
-    assert engine.store(on_disk).wait(10) and all(m.ok for m in on_disk)
+    assert engine.submit(TO_DISK, on_disk).wait(10) and all(m.ok for m in on_disk)
     calls = _count_encodes(monkeypatch)
     tier = RemoteTier(redis_server.url, codec="lossless")
-    job = engine.store_remote(tier, _moves(raw, "reuse-"))
+    engine.attach_remote(tier)
+    job = engine.submit(TO_REMOTE, _moves(raw, "reuse-"))
     assert job.wait(10) and all(m.ok for m in job.moves)
     assert calls[0] == 0  # every block came from the disk tier's blob
     admin = redis_server.admin()
@@ -76,7 +78,7 @@ def test_blocks_on_disk_are_sent_as_stored(engine, redis_server, monkeypatch):
         assert admin.get(remote_key(FP, m.key)) == blob
     back = np.zeros_like(raw)
     moves = [Move(m.lmdb_key, back[i], LAYOUT, FP, m.key) for i, m in enumerate(on_disk)]
-    assert engine.load_remote(tier, moves).wait(10) and all(m.ok for m in moves)
+    assert engine.submit(FROM_REMOTE, moves).wait(10) and all(m.ok for m in moves)
     assert np.array_equal(back, raw)
     tier.close()
 
@@ -84,17 +86,18 @@ def test_blocks_on_disk_are_sent_as_stored(engine, redis_server, monkeypatch):
 @need_redis
 def test_other_codec_or_absent_from_disk_is_encoded(engine, redis_server, monkeypatch):
     raw = _blocks(4, seed=2)
-    assert engine.store(_moves(raw[:2], "enc-")).wait(10)
+    assert engine.submit(TO_DISK, _moves(raw[:2], "enc-")).wait(10)
     calls = _count_encodes(monkeypatch)
     tier = RemoteTier(redis_server.url, codec="int8")  # the disk holds lossless blobs
-    job = engine.store_remote(tier, _moves(raw, "enc-"))
+    engine.attach_remote(tier)
+    job = engine.submit(TO_REMOTE, _moves(raw, "enc-"))
     assert job.wait(10) and all(m.ok for m in job.moves)
     assert calls[0] == 4
     k = b"enc-0000"
     want = encode_block(raw[0], layout=LAYOUT, fingerprint=FP, key=k, codec="int8")
     assert redis_server.admin().get(remote_key(FP, k)) == want
     tier.codec = "lossless"
-    job = engine.store_remote(tier, _moves(raw, "enc-"))
+    job = engine.submit(TO_REMOTE, _moves(raw, "enc-"))
     assert job.wait(10) and all(m.ok for m in job.moves)
     assert calls[0] == 6  # two reused from disk, two not on disk
     tier.close()
@@ -106,8 +109,9 @@ def test_writes_follow_the_budget(engine, redis_server):
     engine.budgets.set_rate("host<->remote", rate)
     raw = _blocks(32, seed=3)  # 256 KiB raw in one job
     tier = RemoteTier(redis_server.url, codec="raw")  # raw: the bytes sent are known
+    engine.attach_remote(tier)
     t0 = time.perf_counter()
-    job = engine.store_remote(tier, _moves(raw, "paced-"))
+    job = engine.submit(TO_REMOTE, _moves(raw, "paced-"))
     assert job.wait(30) and all(m.ok for m in job.moves)
     elapsed = time.perf_counter() - t0
     sent = tier.stats()["bytes_in"]

@@ -105,13 +105,20 @@ class _HeldCopies:
 
     def __init__(self, table: BlockStore) -> None:
         self.table, self.held = table, []
-        self.real = table.engine.to_host
-        table.engine.to_host = lambda copies, done: self.held.append((copies, done))
+        self.real = table.engine.submit
+
+        def hold(route, moves, on_done=None, **kw):
+            if route != ("gpu", "host"):
+                return self.real(route, moves, on_done, **kw)
+            self.held.append((route, moves, on_done))
+            return None
+
+        table.engine.submit = hold
 
     def run(self) -> None:
-        self.table.engine.to_host = self.real
-        for copies, done in self.held:
-            self.real(copies, done).done.wait(10)
+        self.table.engine.submit = self.real
+        for route, copies, done in self.held:
+            self.real(route, copies, done).done.wait(10)
         self.held.clear()
 
 

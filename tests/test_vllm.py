@@ -18,12 +18,12 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from _demo_model import MODEL_ID, ensure_converted
+from _vllm_server import VllmServer, connector_config
 
 from tierkv.codecs import read_header
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.layout import Layout
-from tierkv.integrations.model import MODEL_ID, ensure_converted
-from tierkv.integrations.vllm.launch import VllmServer, connector_config
 from tierkv.integrations.vllm.plan import salt_root
 
 from .helpers import Daemon, wait_for
@@ -120,9 +120,9 @@ def test_vllm_blocks_hold_the_models_keys_and_values_in_tierkv_layout(stack):
     """K and V land where every tierkv integration and codec expects them: the blocks vLLM stored equal
     the same prefix's K/V computed by transformers (another engine's kernels: float tolerance)."""
     import torch
+    from _demo_model import load_model
 
     import tierkv
-    from tierkv.integrations.model import load_model
     from tierkv.integrations.transformers import layer_kv, new_cache
 
     msgs = chat("harbour")

@@ -1,7 +1,7 @@
 """Models beyond one full-attention group, through vLLM's real CPU build and a real daemon: Gemma-3 text
 (sliding-window and full-attention layers interleaved: two KV cache groups), Mistral with a sliding
 window on every layer, and DeepSeek-V2-style MLA (a 512 + 64 latent per token). The models are small,
-random-weight, made by the tests (``tests/tiny_models.py``, ``tierkv.integrations.random_models``).
+random-weight, made by the tests (``tests/tiny_models.py``, ``tools/_random_models.py``).
 
 For each model three vLLM servers run one after another (a start costs most of a minute): vLLM alone
 answers a prompt twice (the second time from its own prefix cache); vLLM with tierkv answers it once
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from _vllm_server import VllmServer
 
 import tierkv
-from tierkv.integrations.vllm.launch import VllmServer
 
 from . import tiny_models
 from .helpers import Daemon

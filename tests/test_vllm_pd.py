@@ -19,10 +19,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _demo_model import ensure_converted
+from _vllm_server import VllmServer, connector_config, free_port
 
 from tierkv.client.events import EventIndex
-from tierkv.integrations.model import ensure_converted
-from tierkv.integrations.vllm.launch import VllmServer, connector_config, free_port
 
 from .helpers import Daemon
 from .redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer

@@ -20,6 +20,7 @@ from tierkv.integrations.vllm.plan import Planner, Role, salt_root
 from tierkv.integrations.vllm.transfer import Transfers
 
 from . import redis_servers
+from .helpers import REPO
 from .redis_servers import need_redis
 
 redis_server = redis_servers.redis_server
@@ -305,7 +306,7 @@ def test_cuda_pages_round_trip_through_unpinned_host_blocks(physical):
 
 
 def test_the_vllm_demo_without_a_daemon_is_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "tierkv", "demo", "--socket", str(tmp_path / "none.sock")],
+    p = subprocess.run([sys.executable, str(REPO / "examples" / "demo.py"), "--socket", str(tmp_path / "none.sock")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().count("\n") == 0 and "cannot reach tierkv" in p.stderr
@@ -314,7 +315,7 @@ def test_the_vllm_demo_without_a_daemon_is_one_line(tmp_path):
 def test_starting_a_running_vllm_server_again_starts_no_second_one(tmp_path):
     """``with VllmServer(...).start() as s`` calls ``start`` twice: the second call leaves the running
     server as it is (a second one would outlive ``stop``, holding its memory)."""
-    from tierkv.integrations.vllm.launch import VllmServer
+    from _vllm_server import VllmServer
 
     s = VllmServer("model", None, tmp_path / "log")
     s.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)

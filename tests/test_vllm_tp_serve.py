@@ -6,8 +6,7 @@ same tokens with the same log-probabilities."""
 from __future__ import annotations
 
 import pytest
-
-from tierkv.integrations.vllm.launch import VllmServer
+from _vllm_server import VllmServer
 
 from . import tiny_models
 from .helpers import Daemon, has_cuda

@@ -1,5 +1,5 @@
 """Small random-weight models of the architectures vLLM serves with more than plain attention, made by the
-tests themselves (``tierkv.integrations.random_models`` at size ``tiny``: Gemma-3 text with sliding and full
+tests themselves (``tools/_random_models.py`` at size ``tiny``: Gemma-3 text with sliding and full
 layers interleaved, Mistral with a window on every layer, DeepSeek-V2-style MLA), and what the tests check
 them against: each kind of KV cache group's layers, and the K/V transformers computes.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tierkv.integrations.random_models import ARCHS, VOCAB, WINDOW, make
+from _random_models import ARCHS, VOCAB, WINDOW, make
 
 __all__ = ["ARCHS", "VOCAB", "WINDOW", "layer_groups", "make", "reference_kv"]
 

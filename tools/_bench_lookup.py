@@ -59,7 +59,7 @@ def _contenders(tk_sock: str, ref_socks: dict[str, str], keys: list[bytes]) -> t
 
     c = tierkv.Client.connect(tk_sock, model="bench", layout=LLAMA, populate=False)
     cs = tierkv.Client.connect(tk_sock, model="bench", layout=LLAMA, populate=False, lookup_index=False)
-    assert c._index is not None, "the daemon passed no lookup index (tierkv._lookup not built?)"
+    assert c._index is not None, "the daemon passed no lookup index (tierkv._native._lookup not built?)"
     calls = {"echo": echo, "python": python, "socket": lambda: cs.lookup(keys), "tierkv": lambda: c.lookup(keys)}
     return calls, [c, cs, *socks.values()]
 

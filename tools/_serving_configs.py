@@ -3,7 +3,7 @@ prefill/decode disaggregation through tierkv (``pd``).
 
 Each is a context manager that starts its processes (vLLM's OpenAI server; tierkv's daemon or
 ``lmcache server`` beside it) with a host tier of ``host_bytes`` and a disk tier under ``work``, and
-yields the running :class:`~tierkv.integrations.vllm.launch.VllmServer`. vLLM's own KV cache is
+yields the running :class:`_vllm_server.VllmServer`. vLLM's own KV cache is
 ``vllm_blocks`` blocks in every configuration (in each instance), with its prefix cache on. ``pd``
 runs a prefill vLLM (connector ``kv_role`` ``kv_producer``) and a decode vLLM (``kv_consumer``) on one
 daemon behind ``python -m tierkv pd-proxy``, and yields a :class:`Proxied` server: the proxy, spoken to
@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _benchd import Daemon
-
-from tierkv.integrations.vllm.launch import VllmServer, connector_config, free_port
+from _vllm_server import VllmServer, connector_config, free_port
 
 NAMES = ("vllm", "tierkv", "lmcache", "pd")
 MAX_MODEL_LEN = 8192  # SmolLM2's context

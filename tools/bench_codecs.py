@@ -175,7 +175,7 @@ def real_queries(sample: Path, k_ref: np.ndarray) -> np.ndarray | None:
     if cache.exists():
         return np.load(cache)
     try:
-        from tierkv.integrations import model as tkmodel
+        import _demo_model as tkmodel
 
         if not tkmodel.available():
             return None

@@ -2,7 +2,7 @@
 restarts) against recompute, and bytes loaded per hit against loading every block.
 
 Architectures: SmolLM2-135M (full attention, the reference), and random-weight models larger than the
-tests' (``tierkv.integrations.random_models``, size ``bench``): Gemma-3 text (5 sliding-window layers per
+tests' (``tools/_random_models.py``, size ``bench``): Gemma-3 text (5 sliding-window layers per
 full one, window 512), Mistral (a 512-token window on every layer), DeepSeek-V2-style MLA (bfloat16, dense MLP layers: vLLM's CPU MoE router takes no ungrouped top-k).
 
 Per architecture, one after the other: a daemon and a vLLM server with the tierkv connector; the prompt
@@ -28,11 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import _random_models as random_models
 from _benchd import Daemon
-
-from tierkv.integrations import random_models
-from tierkv.integrations.model import ensure_converted
-from tierkv.integrations.vllm.launch import BLOCK_TOKENS, VllmServer
+from _demo_model import ensure_converted
+from _vllm_server import BLOCK_TOKENS, VllmServer
 
 ARCHS = ("smollm2", *(a for a in random_models.ARCHS if a in random_models.SIZES["bench"]))
 DTYPE = {"deepseek": "bfloat16"}  # vLLM's CPU MoE takes no float32; the others float32

@@ -25,10 +25,9 @@ import tempfile
 from pathlib import Path
 
 import _serving_workloads as workloads
+from _demo_model import ensure_converted
 from _serving_report import COLUMNS, _cell, _ratio, figures
 from bench_serving import add_run_args, block_bytes, run_one
-
-from tierkv.integrations.model import ensure_converted
 
 MIB = 1 << 20
 CHECK_BLOCKS = 16  # 128-token blocks of one greedy-check prompt, at most

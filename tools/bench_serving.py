@@ -28,11 +28,10 @@ from pathlib import Path
 
 import _serving_configs as configs
 import _serving_workloads as workloads
+from _demo_model import ensure_converted
 from _serving_client import run_client, scrape
 from _serving_report import print_tables
-
-from tierkv.integrations.model import ensure_converted
-from tierkv.integrations.vllm.launch import BLOCK_TOKENS, VllmServer
+from _vllm_server import BLOCK_TOKENS, VllmServer
 
 PRESSURES = {"full": 1.0, "quarter": 0.25}
 

@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 
 import torch
+from _conversation import SYSTEM
+from _daemon_process import start_daemon, stop_daemon
+from _demo_model import load_model, sidecar_threads
 
-from tierkv.integrations.model import load_model, sidecar_threads
 from tierkv.integrations.transformers import attach, plain_generate
-from tierkv.ops.conversation import SYSTEM
-from tierkv.ops.mainjob import start_daemon, stop_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_ID = "smollm2-135m-instruct"

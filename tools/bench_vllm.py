@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _benchd import Daemon
-
-from tierkv.integrations.model import ensure_converted
-from tierkv.integrations.vllm.launch import ChatReply, VllmServer
+from _demo_model import ensure_converted
+from _vllm_server import ChatReply, VllmServer
 
 SYSTEM = ("You are the help desk of the Harbour Street Tool Library. Answer in one short sentence. "
           + " ".join(f"Rule {i}: a member may borrow up to {i % 5 + 1} tools of shelf {i} for {i % 7 + 2} days."

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import MAX_KEY_BYTES, Namespace
 
-if TYPE_CHECKING:
-    from threading import Event
+
+class LoadSignal(Protocol):
+    """A load in flight, as the daemon signals its end (a ``threading.Event``): the record only holds it,
+    and the paths that wait for the load wait on it."""
+
+    def set(self) -> None:
+        """The load finished (or failed: ``Block.load_failed`` says which)."""
+
+    def is_set(self) -> bool:
+        """Whether the load finished."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the load finishes or ``timeout`` seconds pass; whether it finished."""
 
 
 #: ``observer(block, tier, held)``: a block came to be held in ``tier`` (``held``) or left it.
@@ -35,9 +46,9 @@ class Block:
 
     def __init__(self, fk: bytes, nbytes: int, host_off: int | None = None, on_disk: bool = False,
                  disk_bytes: int = 0, leases: int = 0, writing: int = 0, on_remote: bool = False,
-                 loading: Event | None = None, load_failed: bool = False, hits: int = 0, pin: int = 0,
+                 loading: LoadSignal | None = None, load_failed: bool = False, hits: int = 0, pin: int = 0,
                  mass: float = 1.0, gpu_off: int | None = None, gpu_leases: int = 0,
-                 gpu_loading: Event | None = None, draining: bool = False, parent: bytes | None = None,
+                 gpu_loading: LoadSignal | None = None, draining: bool = False, parent: bytes | None = None,
                  tokens: bytes | None = None) -> None:
         self.fk = fk                      # fingerprint + key
         self.nbytes = nbytes              # raw bytes (the namespace's block size)

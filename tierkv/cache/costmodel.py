@@ -12,6 +12,9 @@ Recompute (prefill) cost per token grows with its position because attention rea
 observed prefills) and ``attention_tokens`` the context length at which attention costs as much per
 token as the rest of the model. The cost of consecutive runs adds up exactly, so :meth:`CostModel.plan`
 can pick the best split of a prefix between fetching and recomputing.
+
+The daemon's block store owns one model: it feeds it the bytes and seconds of every load the movers
+report, and the engine's measured prefill speed, and asks it whether to fetch.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class _LineFit:
 class CostModel:
     """Measured tier speeds and recompute speed; decides fetch versus recompute.
 
-    Thread-safe: the daemon's workers call :meth:`observe` while lookups call :meth:`plan`.
+    Thread-safe: load completions call :meth:`observe` on mover threads while lookups call :meth:`plan`.
 
     Args:
         priors: bandwidth and latency per tier before measurements (default :data:`DEFAULT_PRIORS`);

@@ -3,13 +3,17 @@
 Decisions only, plain code with no threads and no I/O; the daemon's store holds its lock around every
 call and starts the transfers these decisions ask for. One class per tier:
 
-- :class:`DiskPlacement`: bytes on disk, the disk policy, the victims that make room for a write.
+- :class:`DiskPlacement` (in :mod:`tierkv.cache.disk_placement`): bytes on disk (and reserved for writes
+  in flight), the disk policy, the victims that make room for a write.
 - :class:`HostPlacement`: host slots, the host policy, admission to disk, demotion between the
   watermarks and the write-behind batch.
 - :class:`GpuPlacement`: device slots under plain recency (clean once drained).
 
 ``cfg`` is the daemon's settings object (``host``, ``disk``, ``remote`` sections); ``tierkv tune``
 replaces it.
+
+Each class also settles the transfers that end in its tier: the block's copy, the policy's entry and the
+counters (hits, bytes, promotions) change in one place, when the daemon hands it a mover's result.
 """
 
 from __future__ import annotations
@@ -21,77 +25,16 @@ from typing import TYPE_CHECKING, Any
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block
 from tierkv.cache.counters import TierCounters
+from tierkv.cache.disk_placement import DiskPlacement
 from tierkv.cache.policy import Policy
 from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
-from tierkv.core.errors import TierFull
 
 if TYPE_CHECKING:
     from tierkv.tiers.host import SlabAllocator
 
+__all__ = ["DiskPlacement", "GpuPlacement", "HostPlacement"]
 _CHAIN = object()  # HostPlacement.inserted: the block's own chain parent
-
-
-class DiskPlacement:
-    """The disk tier's bookkeeping: bytes used, its policy, and victims when a write needs room."""
-
-    def __init__(self, table: BlockTable, policy: Policy[bytes], cfg: Any, capacity: Callable[[], int],
-                 stored_size: Callable[[int], int]) -> None:
-        self.table, self.policy, self.cfg = table, policy, cfg
-        self.capacity = capacity   # the disk tier's capacity (``tune disk.capacity`` changes it)
-        self.stored_size = stored_size  # bytes a value of n bytes takes in the tier (its page rounding)
-        self.used = 0
-        self.stats = TierCounters()
-
-    def added(self, b: Block) -> None:
-        """``b``'s value reached disk (its ``disk_bytes`` set)."""
-        self.used += self.stored_size(b.disk_bytes)
-        self.stats.bytes_logical += b.nbytes
-        self.stats.bytes_stored += b.disk_bytes
-        self.policy.on_insert(b.fk, self.stored_size(b.disk_bytes), b.parent)
-
-    def removed(self, b: Block) -> None:
-        """``b``'s value is gone from disk (or about to be deleted)."""
-        self.used -= self.stored_size(b.disk_bytes)
-        self.stats.bytes_logical -= b.nbytes
-        self.stats.bytes_stored -= b.disk_bytes
-        self.policy.on_remove(b.fk)
-        b.on_disk = False
-        b.disk_bytes = 0
-
-    def forget(self, b: Block) -> None:
-        """Remove a block that is in no tier any more."""
-        if b.on_disk:
-            self.removed(b)
-        self.table.remove(b)
-
-    def protected(self, fk: bytes) -> bool:
-        """A value being read into the host tier stays."""
-        b = self.table.get(fk)
-        return b is None or b.loading is not None
-
-    def room(self, incoming: int) -> list[bytes]:
-        """Keys to delete so ``incoming`` bytes fit under the high watermark (down to the low one).
-
-        Raises:
-            TierFull: nothing can be dropped.
-        """
-        cap = self.capacity()
-        limit = self.cfg.disk.high_watermark * cap
-        if self.used + incoming <= limit:
-            return []
-        target = self.used + incoming - self.cfg.disk.low_watermark * cap
-        victims = self.policy.victims(int(target), self.protected) or \
-            self.policy.victims(int(self.used + incoming - limit), self.protected)
-        if victims is None:
-            raise TierFull("disk tier is full and nothing can be dropped")
-        for fk in victims:
-            b = self.table.blocks[fk]
-            self.removed(b)
-            self.stats.evictions += 1
-            if b.host_off is None and b.gpu_off is None:
-                self.forget(b)
-        return list(victims)
 
 
 class HostPlacement:
@@ -164,6 +107,19 @@ class HostPlacement:
         elif b.gpu_off is None:
             self.disk.forget(b)
 
+    def loaded(self, b: Block, source: TierCounters, promotion: bool = False) -> None:
+        """A load filled ``b``'s host slot: a hit of ``source`` (a promotion, if it counts as one)."""
+        self.inserted(b)
+        source.hits += 1
+        source.bytes_out += b.nbytes
+        self.stats.promotions += promotion
+
+    def load_failed(self, b: Block, source: TierCounters) -> None:
+        """A load into ``b``'s host slot failed: a miss of ``source``; the block is dropped everywhere."""
+        self.free_failed(b)
+        source.misses += 1
+        self.disk.forget(b)
+
     def free_failed(self, b: Block) -> None:
         """Give back the slot of a load that failed; the block is never served from it."""
         assert b.host_off is not None
@@ -218,9 +174,7 @@ class HostPlacement:
 
     def _disk_size(self, b: Block) -> int:
         """About the bytes ``b`` would take on disk (its size at the disk's compression so far)."""
-        s = self.disk.stats
-        ratio = s.bytes_stored / s.bytes_logical if s.bytes_logical > 0 else 1.0
-        return self.disk.stored_size(max(1, int(b.nbytes * ratio)))
+        return self.disk.estimate(b.nbytes)
 
     # ---- demotion ---------------------------------------------------------------------------------
     def demotion(self, force: bool) -> list[Block]:
@@ -312,6 +266,30 @@ class GpuPlacement:
         """``b``'s device slot holds its bytes."""
         assert b.gpu_off is not None
         self.policy.on_insert(b.fk, self.pool.slot_size_at(b.gpu_off), None)
+
+    def promoted(self, b: Block, ok: bool) -> None:
+        """A copy into ``b``'s device slot finished; a failed one (its source never arrived) frees it."""
+        assert b.gpu_off is not None  # set when the promotion started
+        if ok:
+            self.inserted(b)
+            self.stats.promotions += 1
+            self.stats.bytes_in += b.nbytes
+        else:
+            self.pool.free(b.gpu_off)
+            b.gpu_off = None
+
+    def drained(self, b: Block, host: HostPlacement, ok: bool) -> bool:
+        """A copy of ``b`` from its device slot into host memory finished; True when it failed and the
+        device copy is still the only one (drain it again)."""
+        if ok:
+            b.draining = False
+            host.inserted(b)
+            host.stats.bytes_in += b.nbytes
+            self.stats.demotions += 1
+            return False
+        host.free_failed(b)
+        self.stats.errors += 1
+        return b.draining
 
     def drop(self, b: Block) -> None:
         """Free a block's device slot; it stays in the colder tiers that hold it."""

@@ -1,7 +1,7 @@
 """Host copies of whole blocks between a caller's tensors and pool slots, and fresh batch tensors.
 
 Slots are written once and read later by another process, so copies into them use streaming stores
-(``tierkv._ntcopy``): glibc's memcpy reads a 2 MiB destination into the cache before writing it. A
+(``tierkv._native._ntcopy``): glibc's memcpy reads a 2 MiB destination into the cache before writing it. A
 large batch is split across as many threads as torch uses (the copy releases the GIL), so a put keeps
 up with torch's own multi-threaded ``copy_`` of the same bytes.
 """
@@ -21,7 +21,7 @@ from tierkv.core.layout import Layout
 
 _stream_copy: Callable[[np.ndarray, np.ndarray], None]
 try:  # streaming-store copy (native/ntcopy.c)
-    from tierkv._ntcopy import copy as _stream_copy
+    from tierkv._native._ntcopy import copy as _stream_copy
 except ImportError:  # pragma: no cover - the extension is optional
     def _stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)

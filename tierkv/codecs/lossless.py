@@ -19,7 +19,7 @@ from tierkv.core.layout import Layout
 
 _merge_planes: Callable[[np.ndarray, list[Any]], None] | None
 try:  # one-pass plane merge from native/ntcopy.c; numpy's shift-or below is the fallback
-    from tierkv._ntcopy import merge_planes as _merge_planes
+    from tierkv._native._ntcopy import merge_planes as _merge_planes
 except ImportError:  # pragma: no cover
     _merge_planes = None
 

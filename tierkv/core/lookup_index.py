@@ -3,7 +3,7 @@
 ``client.lookup`` is the scheduler's hot path. Answered from this index it costs the client ~2 us and the
 daemon nothing, where a socket round trip costs ~20 us of the daemon's GIL and, with several busy engine
 processes on few cores, a tail set by scheduling. The table itself (hashing, probing, the seqlock that
-lets readers run beside the one writer) is the C module ``tierkv._lookup``; without it (a build without
+lets readers run beside the one writer) is the C module ``tierkv._native._lookup``; without it (a build without
 a compiler) lookups go through the socket as before.
 """
 
@@ -16,7 +16,7 @@ import os
 from typing import NoReturn
 
 try:
-    from tierkv import _lookup
+    from tierkv._native import _lookup
 except ImportError:  # the optional extension did not build: the socket path serves lookups
     _BUILT = False
 else:
@@ -39,7 +39,7 @@ class LookupIndex:
 
     def __init__(self, slots: int) -> None:
         if not _BUILT:
-            raise RuntimeError("tierkv._lookup is not built")
+            raise RuntimeError("tierkv._native._lookup is not built")
         nbytes = HEADER_BYTES + 8 * slots
         self.fd = os.memfd_create("tierkv-lookup", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:

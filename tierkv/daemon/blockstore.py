@@ -1,11 +1,11 @@
-"""The block store: the daemon's tiers, the block table and placement decisions over them, the transfer
-engine that moves bytes between them, and the evictor thread.
+"""The block store: the daemon's tiers, the block table and placement decisions over them, the cost model,
+the transfer engine that moves bytes between them, and the evictor thread.
 
 Every request handler calls one public method here. All state changes happen under one lock (with a
 condition for waiters); waits on transfers happen outside it. The paths live in their own modules:
 :mod:`~tierkv.daemon.storepath` (alloc, commit), :mod:`~tierkv.daemon.fetchpath` (lookup, fetch, wait),
-:mod:`~tierkv.daemon.gpupath` (drains, promotions), :mod:`~tierkv.daemon.transfers` (disk and remote
-jobs), :mod:`~tierkv.daemon.evictor`, :mod:`~tierkv.daemon.scrub` and :mod:`~tierkv.daemon.tuning`.
+:mod:`~tierkv.daemon.gpupath` (drains, promotions), :mod:`~tierkv.daemon.tier_jobs` (disk and remote
+jobs, verify), :mod:`~tierkv.daemon.evictor`, :mod:`~tierkv.daemon.scrub` and :mod:`~tierkv.daemon.tuning`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from tierkv.cache.block import Session
+from tierkv.cache.costmodel import CostModel
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
 from tierkv.cache.policy import make_policy as _lru
@@ -33,7 +34,7 @@ from tierkv.daemon.fetchpath import FetchPath
 from tierkv.daemon.gpupath import GpuPath, check_gpu
 from tierkv.daemon.startup import make_admission, make_disk_policy, make_host_policy, open_tiers
 from tierkv.daemon.storepath import StorePath
-from tierkv.daemon.transfers import Transfers
+from tierkv.daemon.tier_jobs import TierJobs
 from tierkv.movers.transfer import TransferEngine
 from tierkv.tiers.disk import stored_size
 from tierkv.tiers.host import slot_size_for
@@ -70,12 +71,15 @@ class BlockStore:
         learned.load(self.learned_models(), data_dir)
         self.diskp = DiskPlacement(self.table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg,
                                    lambda: self.disk.capacity if self.disk is not None else 0, stored_size)
+        self.cost = CostModel()  # fetch or recompute: fed the rates the loads measure
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
-                                     make_room=self._make_disk_room, write_batch=cfg.disk.write_batch,
+                                     write_batch=cfg.disk.write_batch,
                                      budgets={"host<->disk": cfg.budget.host_disk or None,
                                               "gpu<->host": cfg.budget.gpu_host or None,
                                               "host<->remote": cfg.budget.host_remote or None},
                                      write_nice=cfg.disk.write_nice)
+        if self.remote is not None:
+            self.engine.attach_remote(self.remote)
         self.hostp = HostPlacement(self.table, self.host, make_host_policy(cfg, self.history, self.host_reuse),
                                    self.diskp, self.disk is not None, self.host_reuse, self.admission, cfg,
                                    lambda: self.engine.store_backlog() == 0)
@@ -88,7 +92,7 @@ class BlockStore:
         self.gpu_path: GpuPath | None = None
         if self.tiers.gpu is not None:
             self._attach_gpu(self.tiers.gpu)
-        self.transfers = Transfers(self)
+        self.transfers = TierJobs(self)
         self.store_path = StorePath(self)
         self.fetch_path = FetchPath(self)
         self.evictor = Evictor(self)
@@ -173,11 +177,6 @@ class BlockStore:
     def set_config(self, cfg: Config) -> None:
         """New settings for every decision that reads them (``tierkv tune``). Lock held."""
         self.cfg = self.diskp.cfg = self.hostp.cfg = cfg
-
-    def _make_disk_room(self, incoming: int) -> list[bytes]:
-        """Called by the disk writer: keys to delete so ``incoming`` bytes fit under the high watermark."""
-        with self.lock:
-            return self.diskp.room(incoming)
 
     def _requested(self, s: Session, keys: list[bytes]) -> None:
         """A request uses its prefix chain ``keys`` (fetch, acquire, prefetch; a lookup is only a
@@ -408,7 +407,7 @@ class BlockStore:
 
     def verify(self, drop: bool = False) -> dict:
         """Decode every disk value; report bad ones and optionally drop them."""
-        return scrub.verify(self, drop)
+        return self.transfers.verify(drop)
 
     def snapshot(self) -> dict[str, Any]:
         """Leases, lookup index, health, tiers, namespaces and transfers, for ``tierkv stats``."""

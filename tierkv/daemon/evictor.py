@@ -83,7 +83,7 @@ class Evictor:
         if self._wb_job is not None and not self._wb_job.done.is_set():
             return  # one batch at a time; its completion wakes the evictor for the next
         with st.lock:
-            batch = min(st.engine.write_batch_bytes, int(st.hostp.limit * WRITE_BEHIND_SHARE))
+            batch = min(st.engine.writes.batch_bytes, int(st.hostp.limit * WRITE_BEHIND_SHARE))
             victims = st.hostp.write_behind_batch(batch)
             if victims:
                 self._wb_job = st.transfers.store(victims)

@@ -240,7 +240,7 @@ class FetchPath:
         for tier, group in itertools.groupby(("host" if r else "disk" for r in ready)):
             n = len(list(group))
             runs.append(Run(tier, n * bb, n * bt))
-        plans = self.st.engine.cost.plan(runs) if runs else []
+        plans = self.st.cost.plan(runs) if runs else []
         fetch = 0
         for p in plans:
             if not p.fetch:

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 from tierkv.cache.block import Block, Session
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace
-from tierkv.daemon.jobs import completion, same, settle
-from tierkv.daemon.transfers import ready_after
+from tierkv.daemon.settle import completion, settle
+from tierkv.daemon.tier_jobs import ready_after
+from tierkv.movers.jobs import Job
 from tierkv.movers.streams import Copy
 from tierkv.tiers.host import slot_size_for
 
@@ -87,24 +88,16 @@ class GpuPath:
         def each(b: Block, c: Copy) -> None:
             ev = settle(b)
             b.gpu_leases -= 1
-            if c.ok:
-                b.draining = False
-                st.hostp.inserted(b)
-                st.hostp.stats.bytes_in += b.nbytes
-                self.gpup.stats.demotions += 1
-            else:
-                st.hostp.free_failed(b)
-                self.gpup.stats.errors += 1
-                if b.draining:
-                    self.undrained.append(b)  # the GPU copy is the only one: try again later
+            if self.gpup.drained(b, st.hostp, c.ok):
+                self.undrained.append(b)  # the GPU copy is the only one: try again later
             if ev is not None:
                 ev.set()
 
-        def locked(_cs: list[Copy]) -> None:
+        def locked(_job: Job) -> None:
             st.transfers.write_through([b for b in blocks if b.host_off is not None])
 
-        st.engine.to_host(copies, completion(st.changed, blocks, each, results=same, locked=locked,
-                                             after=lambda _cs: st.evictor.kick()))
+        st.engine.submit(("gpu", "host"), copies, completion(st.changed, blocks, each, locked=locked,
+                                                             after=lambda _job: st.evictor.kick()))
 
     # ---- promotions -------------------------------------------------------------------------------
     def promote(self, s: Session, ns: Namespace, keys: list[bytes], lease: bool) -> tuple[list[Block], list[str]]:
@@ -180,18 +173,11 @@ class GpuPath:
         def each(b: Block, c: Copy) -> None:
             ev = settle(b, "gpu_loading")
             b.leases -= 1
-            if c.ok:
-                self.gpup.inserted(b)
-                self.gpup.stats.promotions += 1
-                self.gpup.stats.bytes_in += b.nbytes
-            else:  # its source never arrived (a bad disk value): a miss, never served
-                assert b.gpu_off is not None  # set when the promotion started
-                self.gpu.free(b.gpu_off)
-                b.gpu_off = None
+            self.gpup.promoted(b, c.ok)  # a failed copy (its source never arrived) is a miss, never served
             if ev is not None:
                 ev.set()
 
-        st.engine.to_device(copies, completion(st.changed, moving, each, results=same))
+        st.engine.submit(("host", "gpu"), copies, completion(st.changed, moving, each))
 
 
 def check_gpu(st: BlockStore) -> None:

@@ -142,8 +142,8 @@ class Handlers:
         tokens, seconds = body.get("tokens"), body.get("seconds")
         if not isinstance(tokens, int) or tokens <= 0 or not isinstance(seconds, int | float) or seconds <= 0:
             raise BadRequest("tokens must be a positive int and seconds a positive number")
-        self.store.engine.cost.observe_recompute(tokens, float(seconds))
-        return {"tokens_per_s": self.store.engine.cost.recompute_tokens_per_s()}
+        self.store.cost.observe_recompute(tokens, float(seconds))
+        return {"tokens_per_s": self.store.cost.recompute_tokens_per_s()}
 
     def release(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """End leases."""

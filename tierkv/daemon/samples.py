@@ -26,7 +26,7 @@ def take_sample(store: Any) -> dict[str, Any]:
         d = {"used": int(used), "capacity": int(capacity)}
         d.update({c: int(getattr(counters, c)) for c in _COUNTERS})
         tiers[name] = d
-    links = {k: int(v) for k, v in dict(store.engine.link_bytes).items()}
+    links = {k: int(v) for k, v in dict(store.engine.book.link_bytes).items()}
     if store.remote is not None:
         links["host->remote"] = int(store.remote_stats.bytes_in)
         links["remote->host"] = int(store.remote_stats.bytes_out)

@@ -1,5 +1,5 @@
-"""The disk tier's checks: the start-up scan that rebuilds a record per stored value, and ``tierkv
-verify``, which decodes every value and optionally drops the bad ones."""
+"""The disk tier's start-up scan: it rebuilds a record per stored value and drops values with a bad header
+(``tierkv verify``, which decodes every value, is a mover job: :meth:`~tierkv.daemon.tier_jobs.TierJobs.verify`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import time
 from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block
-from tierkv.codecs import CodecError, decode_block, read_header
+from tierkv.codecs import CodecError, read_header
 from tierkv.core.errors import TierKVError
 from tierkv.core.keys import FINGERPRINT_BYTES
-from tierkv.core.layout import Layout
 
 if TYPE_CHECKING:
     from tierkv.daemon.blockstore import BlockStore
@@ -59,36 +58,3 @@ def _recheck(st: BlockStore, lk: bytes) -> bool:
         return bool(st.disk.read(lk, check))
     except (CodecError, TierKVError):
         return False
-
-
-def verify(st: BlockStore, drop: bool = False) -> dict:
-    """Decode every disk value (header, sizes, checksum); report bad ones and optionally drop them."""
-    if st.disk is None:
-        return {"checked": 0, "bad": [], "dropped": 0}
-    bad: list[dict] = []
-    checked = 0
-    for lk, value in st.disk.scan():
-        checked += 1
-        try:
-            h = read_header(value)
-            if bytes(h.fingerprint) != lk[:FINGERPRINT_BYTES]:
-                raise CodecError("namespace fingerprint differs from the key's")
-            decode_block(value, layout=Layout.from_dict(h.layout), fingerprint=lk[:FINGERPRINT_BYTES],
-                         key=lk[FINGERPRINT_BYTES:])
-        except (CodecError, ValueError) as exc:
-            bad.append({"key": lk.hex(), "error": str(exc)})
-    dropped = 0
-    if drop and bad:
-        keys = [bytes.fromhex(b["key"]) for b in bad]
-        with st.lock:
-            for fk in keys:
-                b = st.table.get(fk)
-                if b is not None and not b.protected:
-                    if b.on_disk:
-                        st.diskp.removed(b)
-                    if b.host_off is None and b.gpu_off is None:
-                        st.diskp.forget(b)
-            st.diskp.stats.corrupt += len(keys)
-        st.disk.delete(keys)
-        dropped = len(keys)
-    return {"checked": checked, "bad": bad, "dropped": dropped}

@@ -38,10 +38,10 @@ def store_snapshot(st: BlockStore) -> dict[str, Any]:
             "tiers": tiers,
             "namespaces": namespaces,
             "events": st.events.stats.to_dict() if st.events is not None else None,
-            "transfer": {"inflight": e.inflight, "bytes": dict(e.link_bytes),
-                         "seconds": {k: round(v, 4) for k, v in e.link_seconds.items()},
+            "transfer": {"inflight": e.book.inflight, "bytes": dict(e.book.link_bytes),
+                         "seconds": {k: round(v, 4) for k, v in e.book.link_seconds.items()},
                          "links": {k: v.to_dict() for k, v in e.budgets.stats().items()},
-                         "cost": e.cost.snapshot()},
+                         "cost": st.cost.snapshot()},
         }
 
 
@@ -74,7 +74,7 @@ def _local_tiers(st: BlockStore) -> dict[str, dict]:
     if st.disk is not None:
         dp, adm = st.diskp, st.admission
         tiers["disk"] = tier_snapshot(dp.stats, capacity=st.disk.capacity, used=dp.used,
-                                      blocks=sum(1 for b in records if b.on_disk), codec=st.engine.codec,
+                                      blocks=sum(1 for b in records if b.on_disk), codec=st.engine.writes.codec,
                                       file_bytes=st.disk.file_bytes(), readers=st.disk.readers(),
                                       policy=dp.policy.name, admission=st.cfg.disk.admission,
                                       admitted=adm.admitted, written_behind=hp.written_behind,

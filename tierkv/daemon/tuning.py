@@ -39,14 +39,14 @@ def apply(st: BlockStore, new: Config, changed: set[str]) -> None:
         st.hostp.limit = min(st.host.capacity, new.host.capacity)
         if disk is not None:
             disk.capacity = new.disk.capacity
-        st.engine.codec = new.disk.codec
-        st.engine.level = new.disk.codec_level
+        st.engine.writes.codec = new.disk.codec
+        st.engine.writes.level = new.disk.codec_level
         st.engine.budgets.set_rate("host<->disk", new.budget.host_disk or None)
         st.engine.budgets.set_rate("gpu<->host", new.budget.gpu_host or None)
         st.engine.budgets.set_rate("host<->remote", new.budget.host_remote or None)
     st.evictor.kick(force=st.host.used_bytes > new.host.high_watermark * st.hostp.limit)
     if disk is not None and st.diskp.used > new.disk.high_watermark * new.disk.capacity:
-        st.engine.store([])  # an empty job runs make_room: the disk shrinks to its new size
+        st.transfers.trim_disk()  # the disk shrinks to its new size
 
 
 def _swap_host_policy(st: BlockStore, policy: Policy, new: Config) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tierkv.movers.budget import LinkBudgets
@@ -43,33 +42,29 @@ class DeviceMover:
     def _gate(self, nbytes: int) -> Any:
         return self._budgets.transfer("gpu<->host", nbytes)
 
-    def to_device(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> Job:
+    def to_device(self, job: Job) -> None:
         """Host slots -> GPU slots on the load queue (it never waits behind stores)."""
-        return self._job(("host", "gpu"), self._h2d, copies, on_done)
+        self._run(job, self._h2d)
 
-    def to_host(self, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> Job:
+    def to_host(self, job: Job) -> None:
         """GPU slots -> host slots on the store queue (the drain behind a GPU-tier commit)."""
-        return self._job(("gpu", "host"), self._d2h, copies, on_done)
+        self._run(job, self._d2h)
 
-    def _job(self, route: tuple[str, str], q: Any, copies: list[Copy], on_done: Callable[[list[Copy]], None]) -> Job:
-        job = self._book.open(route, [])  # its copies report through on_done; done is set after
-        link = "->".join(route)
+    def _run(self, job: Job, q: Any) -> None:
+        """Queue the job's copies on ``q``; the job finishes once the queue reports every copy."""
+        link = "->".join(job.route)
         book = self._book
         t0 = time.perf_counter()
 
         def done(cs: list[Copy]) -> None:
             job.seconds = time.perf_counter() - t0
+            job.moves = cs
             with book.lock:
-                book.inflight -= 1
                 book.link_seconds[link] += job.seconds
                 book.link_bytes[link] += sum(c.src.numel() for c in cs if c.ok)
-            try:
-                on_done(cs)
-            finally:
-                job.done.set()
+            book.finish(job)
 
-        q.submit(copies, done)
-        return job
+        q.submit(job.moves, done)
 
     def close(self) -> None:
         """Stop the copy queues and unregister the host pool."""

@@ -1,8 +1,10 @@
-"""Disk I/O: host -> disk stores and disk -> host loads, with the codecs.
+"""Disk I/O: host -> disk stores, disk -> host loads and verify scans, with the codecs.
 
 Stores encode on worker threads (zstd releases the GIL, so several blocks are in flight) and are
-written by one writer thread in batched LMDB transactions, group-committed. Loads read and decode on
-their own worker pool, so a load never queues behind stores.
+written by one writer thread in batched LMDB transactions, group-committed. A store job carries the
+deletes the daemon chose to make room for it; a full map or file system comes back as the job's result
+(``full``), and the writer never asks the daemon for anything. Loads read and decode on their own worker
+pool, so a load never queues behind stores; a verify job decodes every stored value on that pool.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from tierkv.cache.costmodel import CostModel
-from tierkv.codecs import CodecError, decode_block, encode_block
-from tierkv.core.errors import TierKVError
+from tierkv.codecs import CodecError, decode_block, encode_block, read_header
+from tierkv.core.errors import TierFull, TierKVError
+from tierkv.core.keys import FINGERPRINT_BYTES
+from tierkv.core.layout import Layout
 from tierkv.movers.budget import LinkBudgets
 from tierkv.movers.jobs import Job, JobBook, Move
 from tierkv.movers.priority import lower_this_thread
@@ -31,55 +34,52 @@ GROUP_COMMIT_S = 0.05
 LOAD_THREADS = 4  # at least this many disk -> host loads in flight (see TransferEngine.__init__)
 
 
+@dataclass
+class DiskWrites:
+    """Settings of new disk writes; ``tierkv tune`` changes them while the daemon runs."""
+
+    codec: str = "lossless"   # codec of new values
+    level: int = 1            # its zstd level
+    batch: int = 32           # most blocks in one transaction
+    batch_bytes: int = 48 << 20  # about the most bytes in one transaction
+
+
 class DiskMover:
-    """Stores and loads between the host tier and the disk tier.
+    """Stores, loads and verify scans between the host tier and the disk tier.
 
     Args:
-        disk: the disk tier (None: no disk; only empty stores are expected).
+        disk: the disk tier.
         book: the engine's job ids and link counters.
         budgets: the link budgets (``host<->disk``).
-        cost: the cost model, fed the measured load rates.
-        encode: worker pool for encodes; decode: worker pool for loads.
-        codec, level: codec and zstd level of new writes (settable while running).
-        make_room: called before each write with its incoming bytes; returns LMDB keys to delete with it.
-        write_batch: most blocks in one transaction (also capped at ``write_batch_bytes``).
+        encode: worker pool for encodes; decode: worker pool for loads and verify scans.
+        writes: codec, level and transaction size of new writes (read at each write).
         write_nice: CPU nice steps of the writer thread (0: the daemon's own).
     """
 
-    def __init__(self, disk: DiskTier | None, book: JobBook, budgets: LinkBudgets, cost: CostModel,
-                 encode: ThreadPoolExecutor, decode: ThreadPoolExecutor, codec: str, level: int,
-                 make_room: Callable[[int], list[bytes]] | None, write_batch: int, write_nice: int = 0) -> None:
+    def __init__(self, disk: DiskTier, book: JobBook, budgets: LinkBudgets, encode: ThreadPoolExecutor,
+                 decode: ThreadPoolExecutor, writes: DiskWrites, write_nice: int = 0) -> None:
         self.disk = disk
-        self.codec = codec
-        self.level = level
-        self.write_batch = write_batch
-        self.write_batch_bytes = 48 << 20
+        self.writes = writes
         self._book = book
         self._budgets = budgets
-        self._cost = cost
         self._encode = encode
         self._decode = decode
-        self._make_room = make_room
-        self._orphans: list[bytes] = []  # evicted by the table, still in LMDB (their delete failed)
-        # Bytes committed to LMDB whose jobs have not finished: the table counts a value once its job's
-        # sync is done, so room for the next transaction must count these too.
-        self._unsettled = 0
+        self._orphans: list[bytes] = []  # deletes the daemon chose whose transaction failed: retried
         self._stores: queue.Queue[Job | None] = queue.Queue()
         self._write_nice = write_nice
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
 
     # ---- stores: host -> disk -------------------------------------------------------------------
-    def store(self, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
-        """Queue an encode + write of ``moves``; the slots must stay untouched until the job is done."""
-        job = self._book.open(("host", "disk"), moves, on_done)
+    def store(self, job: Job) -> None:
+        """Queue an encode + write of the job's moves with its deletes; the slots must stay untouched
+        until the job is done. A job without moves only deletes."""
         if self._stores.qsize() < 2:  # its first batch encodes now, while the writer finishes the job before
             try:
                 self._encode_first(job)
             except RuntimeError:  # the engine is closing: the writer (if still there) encodes it
                 job.encoded = []
         self._stores.put(job)
-        return job
 
     def store_backlog(self) -> int:
         """Store jobs queued behind the one being written (0: the writer keeps up)."""
@@ -117,6 +117,7 @@ class DiskMover:
         except TierKVError as exc:
             for j in jobs:
                 j.error = exc
+                j.full = isinstance(exc, TierFull)  # the daemon decides what to drop
             self._book.failures += 1
             log.warning("disk write of %d blocks failed: %s", sum(len(j.moves) for j in jobs), exc)
         except Exception as exc:
@@ -136,7 +137,7 @@ class DiskMover:
             q = self._stores.queue
             while q and q[0] is not None and q[0].moves:
                 more = sum(m.view.nbytes for m in q[0].moves)
-                if size + more > self.write_batch_bytes or count + len(q[0].moves) > self.write_batch:
+                if size + more > self.writes.batch_bytes or count + len(q[0].moves) > self.writes.batch:
                     break
                 size, count = size + more, count + len(q[0].moves)
                 taken.append(q.popleft())
@@ -148,8 +149,7 @@ class DiskMover:
             return
         t0 = time.perf_counter()
         try:
-            if self.disk is not None:
-                self.disk.flush()
+            self.disk.flush()
         except TierKVError as exc:
             self._book.failures += 1
             log.warning("disk sync failed: %s", exc)
@@ -159,7 +159,6 @@ class DiskMover:
         self._book.link_seconds["host->disk"] += time.perf_counter() - t0
         for job, _ in jobs:
             self._book.finish(job)
-        self._unsettled = 0  # the finished jobs' values are counted by the table now
 
     def _encode_ahead(self) -> None:
         """Start encoding the first batch of the next queued store while this one is written."""
@@ -171,16 +170,16 @@ class DiskMover:
     def _encode_first(self, job: Job) -> None:
         size = 0
         for m in job.moves:
-            if size >= self.write_batch_bytes:
+            if size >= self.writes.batch_bytes:
                 break
             job.encoded.append(self._encode.submit(self._encode_one, m))
             size += m.view.nbytes
 
     def _write_jobs(self, jobs: list[Job]) -> None:
         """Encode on the workers while this thread writes: batch i is written as batch i+1 encodes."""
-        assert self.disk is not None
-        if not jobs[0].moves and self._make_room:
-            self._commit([], self._orphans + self._make_room(0))
+        deletes = [k for j in jobs for k in j.deletes]
+        if not jobs[0].moves:
+            self._commit([], self._orphans + deletes)
             return
         futures: list[Future] = []
         all_moves: list[Move] = []
@@ -190,29 +189,28 @@ class DiskMover:
             all_moves += job.moves
         i = 0
         while i < len(all_moves):
-            # A transaction of about write_batch_bytes: large enough to amortise its two fsyncs, small
+            # A transaction of about writes.batch_bytes: large enough to amortise its two fsyncs, small
             # enough that the next batch encodes while this one is written.
             j, size = i, 0
-            while j < len(all_moves) and (j == i or size < self.write_batch_bytes) and j - i < self.write_batch:
+            while j < len(all_moves) and (j == i or size < self.writes.batch_bytes) and j - i < self.writes.batch:
                 size += all_moves[j].view.nbytes
                 j += 1
-            self._write_batch(all_moves[i:j], [f.result() for f in futures[i:j]])
+            self._write_batch(all_moves[i:j], [f.result() for f in futures[i:j]], deletes)
+            deletes = []  # written with the first transaction
             i = j
         # No sync here: the write loop syncs once for these jobs and any written right after them.
 
-    def _write_batch(self, moves: list[Move], blobs: list[bytes | None]) -> None:
-        """One transaction: the encoded ``blobs`` of ``moves`` and the deletes that make room for them."""
+    def _write_batch(self, moves: list[Move], blobs: list[bytes | None], deletes: list[bytes]) -> None:
+        """One transaction: the encoded ``blobs`` of ``moves`` and the ``deletes`` the daemon chose."""
         self._encode_ahead()
         puts = [(m.lmdb_key, b) for m, b in zip(moves, blobs) if b is not None]
-        incoming = sum(len(b) for _, b in puts)
         # Values the table evicted while a failed write held them are deleted with the next one.
-        deletes = self._orphans + (self._make_room(incoming + self._unsettled) if self._make_room else [])
+        deletes = self._orphans + deletes
         # Admit block by block: one large request would pass a full bucket at once.
         for _, blob in puts:
             self._budgets.acquire("host<->disk", len(blob))
         with self._budgets.transfer("host<->disk", 0):
             self._commit(puts, deletes)
-        self._unsettled += incoming
         for m, b in zip(moves, blobs):
             m.ok = b is not None
             m.stored_bytes = len(b) if b is not None else 0
@@ -220,7 +218,6 @@ class DiskMover:
 
     def _commit(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
         """Write ``puts`` and ``deletes`` in one transaction; on failure the deletes wait for the next."""
-        assert self.disk is not None
         try:
             self.disk.write(puts, deletes)
         except TierKVError:
@@ -230,16 +227,17 @@ class DiskMover:
 
     def _encode_one(self, m: Move) -> bytes | None:
         try:
-            return encode_block(m.view, layout=m.layout, fingerprint=m.fingerprint, key=m.key, codec=self.codec,
-                                level=self.level)
+            return encode_block(m.view, layout=m.layout, fingerprint=m.fingerprint, key=m.key, codec=self.writes.codec,
+                                level=self.writes.level)
         except Exception as exc:
             m.error = f"encode failed: {exc}"
             return None
 
     # ---- loads: disk -> host --------------------------------------------------------------------
-    def load(self, moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
-        """Read and decode ``moves`` into their host slots in parallel; a bad value leaves ``ok`` False."""
-        job = self._book.open(("disk", "host"), moves, on_done)
+    def load(self, job: Job) -> None:
+        """Read and decode the job's moves into their host slots in parallel; a bad value leaves ``ok``
+        False and says why in ``error`` (``absent``, ``corrupt: ...``, ``io: ...``)."""
+        moves: list[Move] = job.moves
         t0 = time.perf_counter()
         futures = [self._decode.submit(self._load_one, m) for m in moves]
         remaining = [len(futures)]
@@ -254,19 +252,14 @@ class DiskMover:
                 self._book.link_seconds["disk->host"] += job.seconds
                 got = sum(m.view.nbytes for m in moves if m.ok)
                 self._book.link_bytes["disk->host"] += got
-                if got:
-                    self._cost.observe("disk", got, job.seconds)
                 self._book.finish(job)
 
         if not futures:
             self._book.finish(job)
         for f in futures:
             f.add_done_callback(one_done)
-        return job
 
     def _load_one(self, m: Move) -> None:
-        assert self.disk is not None
-
         self._budgets.acquire("host<->disk", m.view.nbytes)
 
         def use(value: memoryview) -> int:
@@ -288,7 +281,42 @@ class DiskMover:
             m.error = f"load failed: {exc}"
             log.exception("disk load")
 
+    # ---- verify: decode every stored value ---------------------------------------------------------
+    def verify(self, job: Job) -> None:
+        """Decode every stored value (header, sizes, checksum) on the load pool; the job reports how many
+        it checked and each bad one (``bad``). Nothing is deleted: that is the daemon's choice."""
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                for lk, value in self.disk.scan():
+                    job.checked += 1
+                    error = _check(lk, value)
+                    if error:
+                        job.bad.append((bytes(lk), error))
+            except TierKVError as exc:
+                job.error = exc
+            except Exception as exc:
+                job.error = TierKVError(f"verify failed: {exc}")
+                log.exception("disk verify")
+            job.seconds = time.perf_counter() - t0
+            self._book.finish(job)
+
+        self._decode.submit(run)
+
     def close(self, timeout: float) -> None:
         """Write the queued stores (bounded by ``timeout``), then stop the writer thread."""
         self._stores.put(None)
         self._writer.join(timeout)
+
+
+def _check(lk: bytes, value: memoryview) -> str:
+    """Why a stored value is bad ("" when it decodes under its key's namespace)."""
+    try:
+        h = read_header(value)
+        if bytes(h.fingerprint) != lk[:FINGERPRINT_BYTES]:
+            raise CodecError("namespace fingerprint differs from the key's")
+        decode_block(value, layout=Layout.from_dict(h.layout), fingerprint=lk[:FINGERPRINT_BYTES],
+                     key=lk[FINGERPRINT_BYTES:])
+    except (CodecError, ValueError) as exc:
+        return str(exc)
+    return ""

@@ -1,4 +1,8 @@
-"""Transfer jobs: batches of block moves with ids, finished once and polled or called back."""
+"""Transfer jobs: batches of block moves with ids, finished once and polled or called back.
+
+A job is what a mover reports: per move whether it arrived (``ok``), bytes and seconds per link in the
+:class:`JobBook`, and for disk jobs whether the map was full (``full``) or, for a verify job, what it
+checked. What to make of a result is the daemon's decision."""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from tierkv.core.errors import TierKVError
+from tierkv.core.errors import TierFull, TierKVError
 from tierkv.core.layout import Layout
 
 log = logging.getLogger("tierkv.movers.transfer")
@@ -31,17 +36,29 @@ class Move:
     error: str = ""
 
 
+Route = tuple[str, str]  # (source tier, destination tier)
+
+
 @dataclass
 class Job:
-    """A batch of moves; ``done`` is set when every move finished (check each ``Move.ok``)."""
+    """A batch of moves; ``done`` is set when every move finished (check each ``ok``).
+
+    ``moves`` holds a :class:`Move` per block on disk and remote routes and a
+    :class:`~tierkv.movers.streams.Copy` per block on device routes.
+    """
 
     id: int
-    route: tuple[str, str]
-    moves: list[Move]
+    route: Route
+    moves: list[Any]
     done: threading.Event = field(default_factory=threading.Event)
     error: TierKVError | None = None
     seconds: float = 0.0
     on_done: Callable[[Job], None] | None = None
+    # host -> disk: LMDB keys the daemon chose to delete, written in the job's first transaction.
+    deletes: list[bytes] = field(default_factory=list)
+    full: bool = False  # host -> disk: the map or the file system was full (nothing of the batch written)
+    checked: int = 0    # verify: values decoded
+    bad: list[tuple[bytes, str]] = field(default_factory=list)  # verify: (LMDB key, why) of each bad value
     # Stores: encodes of the first moves, submitted while the job before it was being written.
     encoded: list[Future] = field(default_factory=list)
 
@@ -71,7 +88,7 @@ class JobBook:
         self.link_bytes.update(dict.fromkeys(links, 0))
         self.link_seconds.update(dict.fromkeys(links, 0.0))
 
-    def open(self, route: tuple[str, str], moves: list[Move], on_done: Callable[[Job], None] | None = None) -> Job:
+    def open(self, route: Route, moves: list[Any], on_done: Callable[[Job], None] | None = None) -> Job:
         """A new job on ``route``, counted in flight until :meth:`finish`."""
         job = Job(next(self._ids), route, moves, on_done=on_done)
         with self.lock:
@@ -88,3 +105,10 @@ class JobBook:
             except Exception:
                 log.exception("job %d completion", job.id)
         job.done.set()
+
+
+def failed_job(route: Route, moves: list[Any], error: TierKVError) -> Job:
+    """A job that never ran: finished, with ``error`` and every move not ok."""
+    job = Job(0, route, moves, error=error, full=isinstance(error, TierFull))
+    job.done.set()
+    return job

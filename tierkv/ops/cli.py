@@ -29,7 +29,7 @@ _SERVE_FLAGS = {
 class _Group(click.Group):
     """Errors print one line and exit non-zero; no tracebacks. Heavy subcommands load on first use."""
 
-    LAZY = {"replay": "tierkv.ops.replay_cli", "demo": "tierkv.ops.demo", "verify": "tierkv.ops.admin_cli",
+    LAZY = {"replay": "tierkv.ops.replay_cli", "verify": "tierkv.ops.admin_cli",
             "doctor": "tierkv.ops.admin_cli", "size": "tierkv.ops.size_cli", "top": "tierkv.ops.top",
             "lookup": "tierkv.ops.lookup_cli", "pd-proxy": "tierkv.ops.pd_proxy"}
 

@@ -72,7 +72,7 @@ class ReplayConfig:
         attn_double_tokens: context length at which a token's prefill cost doubles (0 = flat).
         page_costs: give cost-aware policies the simulator's own miss cost per page (recompute
             time of its tokens at its position, or the fetch time from the next tier if lower) as
-            ``cost_fn``, as the daemon passes its transfer engine's cost model.
+            ``cost_fn``, as the daemon passes its store's cost model.
         policy_settings: per policy name, settings passed to :func:`make_policy`.
         admission_settings: settings of :class:`~tierkv.cache.admission.Admission`.
     """

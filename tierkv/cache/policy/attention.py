@@ -65,7 +65,7 @@ class AttentionPolicy(HeapPolicy):
 
     Args:
         cost_fn: ``cost_fn(key, size) -> seconds`` to need the block again after it leaves this
-            tier (e.g. the transfer engine's cost model); overrides the configured figures.
+            tier (e.g. the store's cost model); overrides the configured figures.
         reuse: ``reuse(key) -> probability`` that the block is requested again once it leaves
             (:meth:`~tierkv.cache.reuse.model.ReuseModel.predictor`); ``None`` leaves it out.
         history: shared use history; a private one is made if ``None``.

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tierkv.integrations.model import ensure_converted
+from _demo_model import ensure_converted
 
 __all__ = ["ARCHS", "SIZES", "VOCAB", "WINDOW", "config", "make"]
 

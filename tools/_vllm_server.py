@@ -1,6 +1,6 @@
 """Run vLLM's OpenAI server with tierkv as its KV connector, and talk to it as a client would.
 
-Used by ``make run``, ``tools/bench_vllm.py`` and the tests. The server is
+Used by ``make run`` (``examples/``), the benchmarks in ``tools/`` and the tests. The server is
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the CPU build does
 not start); :func:`serve_command` is the exact command line, which the README shows.
 """

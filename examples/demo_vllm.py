@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from _conversation import SYSTEM  # tools/ (on the path of examples/demo.py and examples/mainjob.py)
+from _vllm_server import BLOCK_TOKENS, ChatReply, VllmServer
+
 from tierkv.client.admin import request
-from tierkv.integrations.vllm.launch import BLOCK_TOKENS, ChatReply, VllmServer
-from tierkv.ops.conversation import SYSTEM
 
 __all__ = ["VllmTurn", "format_vllm_turn", "run_vllm_chat"]
 

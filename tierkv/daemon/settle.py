@@ -1,5 +1,6 @@
-"""The two pieces every transfer the store starts shares: the moves it hands the transfer engine, and
-the completion callback that settles each block's record under the store's lock."""
+"""Settle helpers shared by every transfer the store starts: the moves it hands the transfer engine, and
+the completion callback that settles each block's record under the store's lock (through the placement
+of the tier the block arrived in)."""
 
 from __future__ import annotations
 
@@ -29,33 +30,22 @@ def moves(blocks: Sequence[Block], view: Callable[[int, int], Any], layout: Call
     return out
 
 
-def job_moves(job: Job) -> list[Move]:
-    """The per-block results of a disk or remote job."""
-    return job.moves
-
-
-def same(results: Any) -> Any:
-    """The per-block results of a device copy (its list of copies)."""
-    return results
-
-
 def completion(lock: threading.Condition, blocks: Sequence[Block], each: Callable[[Block, Any], None], *,
-               results: Callable[[Any], Sequence[Any]] = job_moves, locked: Callable[[Any], None] | None = None,
-               after: Callable[[Any], None] | None = None) -> Callable[[Any], None]:
+               locked: Callable[[Job], None] | None = None,
+               after: Callable[[Job], None] | None = None) -> Callable[[Job], None]:
     """A transfer's completion callback: under the lock, ``each(block, result)`` for every block, then
     ``locked(job)``, then a wake-up of every waiter; ``after(job)`` runs once the lock is released.
 
     Args:
         lock: the store's condition (its lock and its waiters).
-        blocks: the transfer's blocks, in the order of its results.
+        blocks: the transfer's blocks, in the order of the job's moves.
         each: settles one block's record from its result (a ``Move`` or a ``Copy``).
-        results: the per-block results of what the engine passes the callback.
         locked: runs under the lock after every block is settled.
         after: runs outside the lock (deletes on disk, waking the evictor).
     """
-    def done(job: Any) -> None:
+    def done(job: Job) -> None:
         with lock:
-            for b, r in zip(blocks, results(job)):
+            for b, r in zip(blocks, job.moves):
                 each(b, r)
             if locked is not None:
                 locked(job)

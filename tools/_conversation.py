@@ -1,4 +1,5 @@
-"""The scripted conversation of ``tierkv demo``: a system handbook and the user turns."""
+"""The scripted conversation of ``examples/demo.py``, ``make run`` and ``tools/bench_ttft.py``: a system
+handbook and the user turns."""
 
 # The system message: a handbook long enough that every turn's prompt is about 1,000 tokens or more.
 SYSTEM = """\

@@ -1,9 +1,11 @@
-"""``tierkv demo``: a scripted multi-turn chat with a real model whose later turns skip most of their
+"""A scripted multi-turn chat with a real model whose later turns skip most of their
 prefill, because their prefix KV comes back from tierkv.
 
 Every turn's prompt is the whole conversation so far (the model's chat template), so turn ``n``
 reuses the blocks of turns ``1..n-1``. For each turn the prompt is also recomputed without tierkv,
 to show the TTFT it would have cost and (with ``--check``) that the reply is the same.
+
+    .venv/bin/python examples/demo.py [--engine transformers] [--turns N] [--check] [--json]
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from typing import Any, TextIO
 
 import click
 
-from tierkv.ops.conversation import TURNS
+_ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(_ROOT / "tools"), str(_ROOT)):  # the harness in tools/; tierkv from the checkout
+    if _p not in sys.path:
+        sys.path.insert(1, _p)
+from _conversation import TURNS  # noqa: E402
+
+from tierkv.core.errors import TierKVError  # noqa: E402
 
 MODEL_ID = "smollm2-135m-instruct"
 
@@ -87,10 +95,10 @@ def run_chat(socket: str | None, turns: Sequence[str], *, max_new_tokens: int = 
         The turn reports and the daemon's stats after the last turn.
     """
     import torch
+    from _conversation import SYSTEM
+    from _demo_model import load_model, sidecar_threads
 
-    from tierkv.integrations.model import load_model, sidecar_threads
     from tierkv.integrations.transformers import ChatSession, attach, plain_generate
-    from tierkv.ops.conversation import SYSTEM
 
     if model_and_tokenizer is None:
         torch.set_num_threads(sidecar_threads())
@@ -191,13 +199,17 @@ def demo(engine: str, socket: str | None, as_json: bool, turns: int | None, prom
 def _demo_vllm(socket: str | None, script: list[str], as_json: bool, max_new_tokens: int) -> None:
     import tempfile
 
+    from _demo_model import ensure_converted
+    from demo_vllm import format_vllm_turn, run_vllm_chat
+
     from tierkv.client.admin import request
     from tierkv.core.paths import default_socket
-    from tierkv.integrations.model import ensure_converted
-    from tierkv.ops.demo_vllm import format_vllm_turn, run_vllm_chat
 
     sock = socket or default_socket()
-    request(sock, "PING")  # no daemon: one line, before vLLM spends a minute starting
+    try:
+        request(sock, "PING")  # no daemon: one line, before vLLM spends a minute starting
+    except TierKVError as exc:
+        raise click.ClickException(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as logs:
         out = sys.stderr if as_json else sys.stdout
         try:
@@ -211,3 +223,7 @@ def _demo_vllm(socket: str | None, script: list[str], as_json: bool, max_new_tok
         click.echo(json.dumps([r.as_dict() for r in reports], indent=2))
     if not all(r.same_reply for r in reports):
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    demo()

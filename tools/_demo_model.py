@@ -120,7 +120,7 @@ def ensure_converted(path: Path | None = None, *, out: TextIO | None = None) -> 
     renamed into place only when complete.
 
     Args:
-        path: target folder (default :func:`cache_dir`).
+        path: the folder to convert into (default :func:`cache_dir`).
         out: where progress goes (default stderr).
 
     Returns:

@@ -1,0 +1,121 @@
+"""The disk tier's placement: bytes on disk and reserved for writes in flight, the disk policy, the
+victims that make room for a write, and the settling of the writes and loads that touch the disk.
+
+Decisions only, plain code with no threads and no I/O; the daemon's store holds its lock around every
+call. ``cfg`` is the daemon's settings object (its ``disk`` section); ``tierkv tune`` replaces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tierkv.cache.block import Block
+from tierkv.cache.counters import TierCounters
+from tierkv.cache.policy import Policy
+from tierkv.cache.table import BlockTable
+from tierkv.core.errors import TierFull
+
+
+class DiskPlacement:
+    """The disk tier's bookkeeping: bytes used, its policy, and victims when a write needs room."""
+
+    def __init__(self, table: BlockTable, policy: Policy[bytes], cfg: Any, capacity: Callable[[], int],
+                 stored_size: Callable[[int], int]) -> None:
+        self.table, self.policy, self.cfg = table, policy, cfg
+        self.capacity = capacity   # the disk tier's capacity (``tune disk.capacity`` changes it)
+        self.stored_size = stored_size  # bytes a value of n bytes takes in the tier (its page rounding)
+        self.used = 0
+        self.reserved = 0  # estimated bytes of writes queued or in flight (room made for them)
+        self.stats = TierCounters()
+
+    def added(self, b: Block) -> None:
+        """``b``'s value reached disk (its ``disk_bytes`` set)."""
+        self.used += self.stored_size(b.disk_bytes)
+        self.stats.bytes_logical += b.nbytes
+        self.stats.bytes_stored += b.disk_bytes
+        self.policy.on_insert(b.fk, self.stored_size(b.disk_bytes), b.parent)
+
+    def removed(self, b: Block) -> None:
+        """``b``'s value is gone from disk (or about to be deleted)."""
+        self.used -= self.stored_size(b.disk_bytes)
+        self.stats.bytes_logical -= b.nbytes
+        self.stats.bytes_stored -= b.disk_bytes
+        self.policy.on_remove(b.fk)
+        b.on_disk = False
+        b.disk_bytes = 0
+
+    def forget(self, b: Block) -> None:
+        """Remove a block that is in no tier any more."""
+        if b.on_disk:
+            self.removed(b)
+        self.table.remove(b)
+
+    def protected(self, fk: bytes) -> bool:
+        """A value being read into the host tier stays."""
+        b = self.table.get(fk)
+        return b is None or b.loading is not None
+
+    def room(self, incoming: int) -> list[bytes]:
+        """Keys to delete so ``incoming`` bytes fit under the high watermark (down to the low one).
+
+        Raises:
+            TierFull: nothing can be dropped.
+        """
+        cap, used = self.capacity(), self.used + self.reserved
+        limit = self.cfg.disk.high_watermark * cap
+        if used + incoming <= limit:
+            return []
+        target = used + incoming - self.cfg.disk.low_watermark * cap
+        victims = self.policy.victims(int(target), self.protected) or \
+            self.policy.victims(int(used + incoming - limit), self.protected)
+        if victims is None:
+            raise TierFull("disk tier is full and nothing can be dropped")
+        for fk in victims:
+            b = self.table.blocks[fk]
+            self.removed(b)
+            self.stats.evictions += 1
+            if b.host_off is None and b.gpu_off is None:
+                self.forget(b)
+        return list(victims)
+
+    # ---- writes -----------------------------------------------------------------------------------
+    def estimate(self, nbytes: int) -> int:
+        """About the bytes a block of ``nbytes`` takes on disk (at the compression so far)."""
+        s = self.stats
+        ratio = s.bytes_stored / s.bytes_logical if s.bytes_logical > 0 else 1.0
+        return self.stored_size(max(1, int(nbytes * ratio)))
+
+    def room_for_write(self, blocks: list[Block]) -> tuple[list[bytes], int]:
+        """Make room for a write of ``blocks``: the keys to delete with it, and the bytes reserved for it
+        until :meth:`write_settled`.
+
+        Raises:
+            TierFull: nothing can be dropped (nothing is reserved).
+        """
+        incoming = sum(self.estimate(b.nbytes) for b in blocks)
+        deletes = self.room(incoming)
+        self.reserved += incoming
+        return deletes, incoming
+
+    def written(self, b: Block, stored_bytes: int) -> None:
+        """A write put ``b``'s value on disk (unless the block was removed or counted meanwhile)."""
+        if b.on_disk or b.fk not in self.table:
+            return
+        b.on_disk = True
+        b.disk_bytes = stored_bytes
+        self.added(b)
+        self.stats.bytes_in += b.nbytes
+
+    def write_settled(self, reserved: int, failed: bool) -> None:
+        """A write finished: its reservation ends (its values are counted by :meth:`written`)."""
+        self.reserved -= reserved
+        self.stats.errors += failed
+
+    def read_failed(self, error: str) -> bool:
+        """Count a value that did not load; True when the value is bad (delete it), not the disk."""
+        if error.startswith("io"):
+            self.stats.errors += 1
+            return False
+        self.stats.corrupt += 1
+        return True

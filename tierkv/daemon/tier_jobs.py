@@ -1,0 +1,208 @@
+"""The tier jobs the store starts between host memory and the colder tiers: write-back to disk (with
+the room the disk placement made for it), write-through to the remote tier, loads from disk or the
+remote tier into host slots, and the disk's verify scan.
+
+Each submits a transfer-engine job by route and settles the records in its completion callback through
+the placement of the tier the blocks arrived in; a slot a transfer reads or fills is pinned
+(``writing``, ``loading``) until then. The measured rates of loads feed the store's cost model. Called
+with the store's lock held unless said.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from tierkv.cache.block import Block, LoadSignal
+from tierkv.core.errors import TierFull
+from tierkv.core.keys import Namespace
+from tierkv.daemon.settle import completion, moves, settle
+from tierkv.movers.jobs import failed_job
+from tierkv.movers.transfer import VERIFY, Job, Move
+
+if TYPE_CHECKING:
+    from tierkv.daemon.blockstore import BlockStore
+
+log = logging.getLogger("tierkv.table")
+TO_DISK = ("host", "disk")
+
+
+class TierJobs:
+    """Starts the store's host <-> disk, host <-> remote and disk verify jobs, and settles them."""
+
+    def __init__(self, st: BlockStore) -> None:
+        self.st = st
+        self._inflight: dict[bytes, Job] = {}  # remote writes not finished yet, by block
+
+    def _moves(self, blocks: list[Block]) -> list[Move]:
+        return moves(blocks, self.st.host.view, self.st.table.layout_of)
+
+    # ---- host -> disk -----------------------------------------------------------------------------
+    def store(self, blocks: list[Block]) -> Job:
+        """Queue host -> disk writes of dirty blocks (their slots stay pinned until done), with the
+        deletes that make room for them; without blocks, only the deletes (the disk shrinks to its
+        watermark). A disk with nothing to drop fails the job at once (``TierFull``)."""
+        st = self.st
+        try:
+            deletes, reserved = st.diskp.room_for_write(blocks)
+        except TierFull as exc:
+            st.diskp.stats.errors += 1
+            return failed_job(TO_DISK, self._moves(blocks), exc)
+        for b in blocks:
+            b.writing += 1
+
+        def each(b: Block, m: Move) -> None:
+            b.writing -= 1
+            if m.ok:  # written, even when a later batch failed
+                st.diskp.written(b, m.stored_bytes)
+
+        def settled(job: Job) -> None:
+            st.diskp.write_settled(reserved, failed=job.error is not None)
+            if job.error is not None and not job.full:
+                st.degraded = str(job.error)
+
+        # the evictor may be waiting on this write (demotion, write-behind)
+        done = completion(st.changed, blocks, each, locked=settled, after=lambda _job: st.evictor.wake())
+        return st.engine.submit(TO_DISK, self._moves(blocks), on_done=done, deletes=deletes)
+
+    def trim_disk(self) -> None:
+        """Drop disk blocks down to the low watermark when above the high one (takes the lock)."""
+        with self.st.lock:
+            self.store([])
+
+    def verify(self, drop: bool = False) -> dict:
+        """Decode every disk value on the movers (header, sizes, checksum); report bad ones and, with
+        ``drop``, forget and delete them. Takes the lock."""
+        st = self.st
+        if st.disk is None:
+            return {"checked": 0, "bad": [], "dropped": 0}
+        job = st.engine.submit(VERIFY, [])
+        job.wait()
+        if job.error is not None:
+            raise job.error
+        bad = [{"key": lk.hex(), "error": why} for lk, why in job.bad]
+        dropped = 0
+        if drop and job.bad:
+            keys = [lk for lk, _ in job.bad]
+            with st.lock:
+                for fk in keys:
+                    b = st.table.get(fk)
+                    if b is not None and not b.protected:
+                        if b.on_disk:
+                            st.diskp.removed(b)
+                        if b.host_off is None and b.gpu_off is None:
+                            st.diskp.forget(b)
+                st.diskp.stats.corrupt += len(keys)
+                delete = st.engine.submit(TO_DISK, [], deletes=keys)
+            delete.wait()
+            if delete.error is not None:
+                raise delete.error
+            dropped = len(keys)
+        return {"checked": job.checked, "bad": bad, "dropped": dropped}
+
+    # ---- host -> remote ---------------------------------------------------------------------------
+    def write_through(self, blocks: list[Block], every: bool = False) -> list[Job]:
+        """Copy host blocks to the remote tier in the background (slots pinned meanwhile): those
+        ``remote.admission`` admits, or with ``every`` all of them.
+
+        Returns:
+            With ``every``, the jobs writing any of ``blocks`` (this call's and those already in
+            flight), for a caller that waits until they are on the remote; otherwise an empty list.
+        """
+        st = self.st
+        if st.remote is None:
+            return []
+        mode = st.cfg.remote.admission
+        todo = [b for b in blocks if not b.on_remote and b.host_ready and (every or st.hostp.worth_writing(b, mode))]
+        jobs = {id(j): j for j in (self._inflight.get(b.fk) for b in blocks) if j is not None} if every else {}
+        if not todo:
+            return list(jobs.values())
+        for b in todo:
+            b.writing += 1
+            b.on_remote = True  # optimistic: a failed write is undone below
+
+        def each(b: Block, m: Move) -> None:
+            b.writing -= 1
+            self._inflight.pop(b.fk, None)
+            if m.ok:
+                st.remote_stats.bytes_in += b.nbytes
+            else:
+                b.on_remote = False
+
+        job = st.engine.submit(("host", "remote"), self._moves(todo), on_done=completion(st.changed, todo, each))
+        if not job.done.is_set():  # its completion, which forgets it, waits for the lock the caller holds
+            self._inflight.update(dict.fromkeys((b.fk for b in todo), job))
+        if every:
+            jobs[id(job)] = job
+        return list(jobs.values())
+
+    # ---- disk -> host -----------------------------------------------------------------------------
+    def load(self, ns: Namespace, blocks: list[Block]) -> Job:
+        """Read disk values into the host slots already assigned to ``blocks`` (``loading`` set)."""
+        st = self.st
+        bad: list[bytes] = []
+
+        def each(b: Block, m: Move) -> None:
+            ev = settle(b)
+            if m.ok:
+                st.hostp.loaded(b, st.diskp.stats, promotion=True)
+            else:  # a bad value is a miss: drop the entry everywhere, never serve it
+                st.hostp.load_failed(b, st.diskp.stats)
+                if st.diskp.read_failed(m.error):
+                    bad.append(b.fk)
+                else:
+                    st.degraded = m.error
+            if ev is not None:
+                ev.set()
+
+        def delete_bad(_job: Job) -> None:
+            if bad and st.disk is not None:
+                try:
+                    st.disk.delete(bad)
+                except Exception as exc:  # the records are gone already; a stale value is re-verified anyway
+                    log.warning("could not delete corrupt values: %s", exc)
+
+        moves_ = moves(blocks, st.host.view, lambda _b: ns.layout)
+        done = completion(st.changed, blocks, each, locked=self._observe("disk"), after=delete_bad)
+        return st.engine.submit(("disk", "host"), moves_, on_done=done)
+
+    def start_loads(self, blocks: list[Block]) -> None:
+        """Mark blocks whose host slot was just assigned as loading (their reads start in one job)."""
+        for b in blocks:
+            b.loading = threading.Event()
+            b.load_failed = False
+
+    # ---- remote -> host ---------------------------------------------------------------------------
+    def load_remote(self, blocks: list[Block]) -> None:
+        """Fetch blocks from the remote tier into their host slots (records made, ``loading`` set)."""
+        st = self.st
+
+        def each(b: Block, m: Move) -> None:
+            ev = settle(b)
+            if m.ok:
+                st.hostp.loaded(b, st.remote_stats)
+            else:  # a miss (gone, corrupt or the remote is down): never served
+                st.hostp.load_failed(b, st.remote_stats)
+            if ev is not None:
+                ev.set()
+
+        done = completion(st.changed, blocks, each, locked=self._observe("remote"))
+        st.engine.submit(("remote", "host"), self._moves(blocks), on_done=done)
+
+    def _observe(self, tier: str) -> Any:
+        """A load's settle step that feeds its measured rate to the store's cost model."""
+        def observe(job: Job) -> None:
+            got = sum(m.view.nbytes for m in job.moves if m.ok)
+            if got:
+                self.st.cost.observe(tier, got, job.seconds)
+        return observe
+
+
+def ready_after(b: Block, ev: LoadSignal | None) -> Any:
+    """For a copy out of ``b``'s host slot: wait until a load into that slot finished; False if it failed."""
+    def ready() -> bool:
+        if ev is not None:
+            ev.wait(120.0)
+        return not b.load_failed and b.host_off is not None and b.loading is None
+    return ready
