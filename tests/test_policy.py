@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from tierkv.cache.policy import HeapPolicy, History, make_policy, policy_names
+from tierkv.cache.policy import HeapPolicy, make_policy, policy_names
 from tierkv.cache.policy.base import never
+from tierkv.cache.reuse import History
 
 from .helpers import FakeClock
 from .helpers import build_policy as build

@@ -69,14 +69,31 @@ def test_two_tiers_demote_promote_and_count_bytes():
 
 
 def test_disk_admission_drops_one_shot_blocks():
-    lines = [line(0, 512, [1]), line(1000, 512, [2]), line(2000, 512, [1]), line(3000, 512, [3])]
+    """``reused`` admission, the daemon's rule: a victim is written when it was used since it was cached."""
+    lines = [line(0, 512, [1]), line(1000, 512, [1]), line(2000, 512, [2]), line(3000, 512, [3]),
+             line(4000, 512, [1]), line(5000, 512, [2])]
     tiers = [TierSpec("host", PAGE), TierSpec("disk", 10 * PAGE, admission=True)]
     res = replay(Workload(parse_trace(lines)), "lru", ReplayConfig(tiers=tiers, kv_bytes_per_token=1))
-    # 1 is demoted when 2 arrives but was seen once: dropped, so r2 misses; 2 is dropped too when
-    # r2 brings 1 back; 1, now seen twice, is written to disk when 3 arrives
-    assert res.token_hit_rate == 0.0
-    assert res.disk_writes_bytes == PAGE
+    # r1 hits 1 in host; 1, used since it was cached, is written when 2 arrives; 2 (used once) is
+    # dropped when 3 arrives, 3 when r4 reads 1 back from disk; r5 computes 2 afresh and evicts 1,
+    # used again, so it is written again (the disk is exclusive)
+    assert res.tier_hit_rate == {"host": pytest.approx(1 / 6), "disk": pytest.approx(1 / 6)}
+    assert res.disk_writes_bytes == 2 * PAGE
     assert res.dropped_bytes == 2 * PAGE
+
+
+def test_reused_admission_forgets_a_block_computed_again():
+    """A page that left every tier and is computed again is a fresh block: its earlier uses do not
+    count (the daemon's block record, with its hits, is gone once no tier holds the block)."""
+    lines = [line(0, 512, [1]), line(1000, 512, [1]), line(2000, 512, [2]), line(3000, 512, [2]),
+             line(4000, 512, [3]), line(5000, 512, [1]), line(6000, 512, [4])]
+    tiers = [TierSpec("host", PAGE), TierSpec("disk", PAGE, admission=True)]
+    res = replay(Workload(parse_trace(lines)), "lru", ReplayConfig(tiers=tiers, kv_bytes_per_token=1))
+    # 1 (hit at r1) is written at r2 and pushed off the one-page disk by 2 (hit at r3) at r4; r5
+    # computes 1 afresh and drops 3; r6 drops 1, not used since it was computed again
+    assert res.tier_hit_rate == {"host": pytest.approx(2 / 7), "disk": 0.0}
+    assert res.disk_writes_bytes == 2 * PAGE
+    assert res.dropped_bytes == 3 * PAGE
 
 
 def random_trace(seed=0, n=300):

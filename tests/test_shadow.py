@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from tierkv.cache.policy import History, make_policy
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.policy import make_policy
 from tierkv.cache.policy.shadow import key_hash
+from tierkv.cache.reuse import History, ReuseModel
 from tierkv.daemon.startup import make_disk_policy, make_host_policy
 from tierkv.ops.replay_cli import daemon_config, tiers_for
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace
@@ -302,7 +302,7 @@ def test_admission_shadow_counts_returns_of_victims():
     """Write-all's cache takes every departed victim, the rule's only those written; a request's returns
     are one comparison (a key counts until it departs again), and a lead of z standard deviations
     moves the leader."""
-    from tierkv.cache.policy.admission_shadow import AdmissionShadow
+    from tierkv.cache.admission_shadow import AdmissionShadow
 
     s = AdmissionShadow(1.0, z=1.0)
     s.resize(4)

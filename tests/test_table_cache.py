@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session, fetch_source, tier_of
 from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
 from tierkv.cache.policy import make_policy
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.cache.windows import window_out
 from tierkv.core.errors import BadRequest, TierFull
@@ -48,7 +48,7 @@ class _Tiers:
         self.pool = SlabAllocator(32 * SLOT, 8 * SLOT)
         self.disk = DiskPlacement(self.table, make_policy("lru"), cfg, lambda: disk_cap, stored_size)
         self.host = HostPlacement(self.table, self.pool, make_policy("lru"), self.disk, True, ReuseModel(),
-                                  Placement(admission), cfg, lambda: True)
+                                  Admission(admission), cfg, lambda: True)
 
     def put(self, i: int, on_disk: bool = False) -> Block:
         b = self.table.add(Block(_fk(i), SLOT, host_off=self.pool.alloc(SLOT)))

@@ -16,10 +16,10 @@ from dataclasses import asdict
 import click
 
 from tierkv.ops.replay_cli import daemon_config, tiers_for
-from tierkv.sim.config import ReplayConfig, TierSpec
 from tierkv.sim.corpus import HELD_OUT, NAMES, requests
 from tierkv.sim.result import ReplayResult
 from tierkv.sim.simulator import sweep
+from tierkv.sim.spec import ReplayConfig, TierSpec
 from tierkv.sim.workload import Workload
 
 TWO_TIER_HOST = ("2%",)

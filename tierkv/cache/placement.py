@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.disk_placement import DiskPlacement
 from tierkv.cache.policy import Policy
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class HostPlacement:
     """Host slots: allocation under the effective limit, eviction of clean blocks, demotion to disk."""
 
     def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy[bytes], disk: DiskPlacement,
-                 has_disk: bool, reuse: ReuseModel, admission: Placement, cfg: Any,
+                 has_disk: bool, reuse: ReuseModel, admission: Admission, cfg: Any,
                  writer_idle: Callable[[], bool]) -> None:
         self.table, self.pool, self.policy, self.disk, self.has_disk = table, pool, policy, disk, has_disk
         self.reuse, self.admission, self.cfg = reuse, admission, cfg
@@ -157,25 +157,20 @@ class HostPlacement:
 
     # ---- admission --------------------------------------------------------------------------------
     def worth_writing(self, b: Block, mode: str) -> bool:
-        """The admission rule of a colder tier: every block, the ones the placement rule predicts are
-        read again (every one but the tails under its floor while the writer keeps up), blocks used
-        twice / shared / pinned, or pinned only."""
-        if mode == "predicted":
-            return self.admission.wants(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
-                                        spare=self.writer_idle())
-        return mode == "all" or b.pin > 0 or (mode == "reused" and (b.hits >= 1 or b.leases > 0))
+        """Whether the admission rule, in ``mode`` (the disk's or the remote tier's), writes ``b`` to a
+        colder tier: every block, the ones the rule predicts are read again (every one but the tails
+        under its floor while the writer keeps up), the reused ones or the pinned ones."""
+        return self.admission.wants(b.fk, time.monotonic(), hits=b.hits, sharers=b.leases, pinned=b.pin > 0,
+                                    spare=mode == "predicted" and self.writer_idle(), mode=mode)
 
     def admit(self, b: Block) -> bool:
         """Whether a host victim is worth a disk write (durable puts and the flush skip this); counted."""
-        mode = self.cfg.disk.admission
-        if mode != "predicted":
-            ok = self.worth_writing(b, mode)
-            self.admission.admitted += ok
-            self.admission.rejected += not ok
-            return ok
-        self.admission.resize(int(self.cfg.disk.high_watermark * self.disk.capacity()))
-        return self.admission.admit(b.fk, time.monotonic(), sharers=b.leases, pinned=b.pin > 0,
-                                    spare=self.writer_idle(), size=self._disk_size(b))
+        predicted = self.admission.mode == "predicted"
+        if predicted:
+            self.admission.resize(int(self.cfg.disk.high_watermark * self.disk.capacity()))
+        return self.admission.admit(b.fk, time.monotonic(), hits=b.hits, sharers=b.leases, pinned=b.pin > 0,
+                                    spare=predicted and self.writer_idle(),
+                                    size=self._disk_size(b) if predicted else 1)
 
     def _disk_size(self, b: Block) -> int:
         """About the bytes ``b`` would take on disk (its size at the disk's compression so far)."""

@@ -14,11 +14,10 @@ from tierkv.cache.block import Session
 from tierkv.cache.costmodel import CostModel
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
-from tierkv.cache.policy import History
 from tierkv.cache.policy import make_policy as _lru
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import History, ReuseModel
 from tierkv.cache.table import BlockTable
+from tierkv.cache.wiring import host_reuse
 from tierkv.core.keys import Namespace
 from tierkv.daemon import learned, scrub
 from tierkv.daemon.config import Config
@@ -32,7 +31,7 @@ from tierkv.daemon.sessions import Sessions, namespace
 from tierkv.daemon.signals import Signals, learned_models
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.snapshot import Snapshots
-from tierkv.daemon.startup import make_disk_policy, make_host_policy, open_tiers
+from tierkv.daemon.startup import make_admission, make_disk_policy, make_host_policy, open_tiers
 from tierkv.daemon.storepath import StorePath
 from tierkv.daemon.tier_jobs import TierJobs
 from tierkv.daemon.tuning import Tuner
@@ -63,10 +62,8 @@ class BlockStore:
         # reuse model has no generated-token classes: it scores a block while its request runs. The
         # admission rule counts each request once (its own history); the policies count uses with decay.
         self.history = History(max_entries=HISTORY_ENTRIES)
-        self.host_reuse = ReuseModel(max_records=HISTORY_ENTRIES, output_edges="")
-        self.admission = Placement(cfg.disk.admission, max_records=HISTORY_ENTRIES,
-                                   ghost_entries=HISTORY_ENTRIES // 2, shadow_rate=cfg.disk.shadow_rate)
-        self.admission.unit = self.history.branch  # the shadow samples branches, as the host's does
+        self.host_reuse = host_reuse(HISTORY_ENTRIES)
+        self.admission = make_admission(cfg, self.history, HISTORY_ENTRIES)
         learned.load(learned_models(self.host_reuse, self.admission), data_dir)
         self.diskp = DiskPlacement(table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg,
                                    lambda: self.disk.capacity if self.disk is not None else 0, stored_size)

@@ -1,6 +1,6 @@
 """What the reuse models learned, kept across restarts: their class counts are written to the data
 directory at shutdown and read at start-up, so a restarted daemon places blocks as the one before it
-did instead of learning the classes again (docs/placement.md, "Across restarts").
+did instead of learning the classes again (docs/eviction-admission.md, "Across restarts").
 
 Only per-class counts are kept (a few KiB), no keys. A file that does not fit (another format,
 other output buckets, damaged) is ignored and the models start empty; saving never fails a shutdown.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgpack
 
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import ReuseModel
 
 log = logging.getLogger("tierkv.daemon.learned")
 

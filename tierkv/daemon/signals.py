@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
+from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session
 from tierkv.cache.placement import DiskPlacement, HostPlacement
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.daemon.context import Context
 
@@ -18,7 +18,7 @@ class Signals:
     """Feeds the reuse models and the policies from requests, commits and the engine's signals."""
 
     def __init__(self, ctx: Context, table: BlockTable, hostp: HostPlacement, diskp: DiskPlacement,
-                 host_reuse: ReuseModel, admission: Placement, disk_on: bool) -> None:
+                 host_reuse: ReuseModel, admission: Admission, disk_on: bool) -> None:
         self.ctx = ctx
         self.table = table
         self.hostp = hostp
@@ -97,7 +97,7 @@ class Signals:
         return learned_models(self.host_reuse, self.admission)
 
 
-def learned_models(host_reuse: ReuseModel, admission: Placement) -> dict[str, ReuseModel]:
+def learned_models(host_reuse: ReuseModel, admission: Admission) -> dict[str, ReuseModel]:
     """The reuse models whose class counts are kept across restarts, by name."""
     return {"host": host_reuse, "disk": admission.model, "disk-eviction": admission.evict_model,
             "disk-floor": admission.floor_model}

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tierkv.cache.admission import Admission
 from tierkv.cache.costmodel import CostModel
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.daemon.context import Context
 from tierkv.daemon.events import KvEvents
@@ -23,7 +23,7 @@ class Snapshots:
     """Reads the figures of every tier, the table and the transfer engine."""
 
     def __init__(self, ctx: Context, table: BlockTable, tiers: Tiers, hostp: HostPlacement, diskp: DiskPlacement,
-                 gpup: GpuPlacement | None, host_reuse: ReuseModel, admission: Placement, engine: TransferEngine,
+                 gpup: GpuPlacement | None, host_reuse: ReuseModel, admission: Admission, engine: TransferEngine,
                  cost: CostModel, events: KvEvents | None, remote_stats: TierCounters) -> None:
         self.ctx = ctx
         self.table = table

@@ -3,15 +3,14 @@ and each tier's policy built from the configured weights."""
 
 from __future__ import annotations
 
-import inspect
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from tierkv.cache.policy import History, Policy, policy_class
-from tierkv.cache.policy import make_policy as _make
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache import wiring
+from tierkv.cache.admission import Admission
+from tierkv.cache.policy import Policy
+from tierkv.cache.reuse import History, ReuseModel
 from tierkv.daemon.config import Config
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostPool
@@ -63,36 +62,27 @@ def open_tiers(cfg: Config, data_dir: str) -> Tiers:
     return Tiers(host, disk, gpu, remote)
 
 
-def make_policy(name: str, cfg: Config, history: History, reuse: ReuseModel | None = None,
-                overrides: dict[str, Any] | None = None) -> Policy:
-    """A tier's policy with the configured weights (and the tier's own ``overrides`` of those the
-    policy has), sharing the store's history where it keeps one; with ``reuse`` it also weighs blocks
-    by the learned chance that they come back (the host tier by its own model, the disk tier by the
-    admission rule's)."""
-    kwargs = cfg.policy_settings(name)
-    known = policy_class(name).SETTINGS
-    kwargs.update({k: v for k, v in (overrides or {}).items() if k in known})
-    params = inspect.signature(policy_class(name)).parameters
-    if "history" in params:
-        kwargs["history"] = history
-    if reuse is not None and "reuse" in params:
-        kwargs["reuse"] = reuse.predictor(time.monotonic)
-    return _make(name, **kwargs)
-
-
 def make_host_policy(cfg: Config, history: History, reuse: ReuseModel) -> Policy:
-    """The host tier's policy: weighted by the host's own reuse model, with the LRU shadow of
+    """The host tier's policy from the daemon's settings (:func:`tierkv.cache.wiring.host_policy`): the
+    ``[policy]`` weights, weighted by the host's own reuse model, with the LRU shadow of
     ``host.shadow_rate``."""
-    return make_policy(cfg.host.policy, cfg, history, reuse, {"shadow_rate": cfg.host.shadow_rate})
+    name = cfg.host.policy
+    return wiring.host_policy(name, cfg.policy_settings(name), {"shadow_rate": cfg.host.shadow_rate},
+                              history=history, reuse=reuse)
 
 
 def make_disk_policy(cfg: Config, history: History, evict_model: ReuseModel) -> Policy:
-    """The disk tier's policy: weighted by the admission rule's eviction model
-    (:attr:`Placement.evict_model`) under ``predicted`` admission, aged by ``disk.idle_aging``, with the
-    LRU shadow of ``disk.order_shadow_rate`` fed by the disk's references."""
-    reuse = evict_model if cfg.disk.admission == "predicted" else None
-    policy = make_policy(cfg.disk.policy, cfg, history, reuse,
-                         {"idle_aging": cfg.disk.idle_aging, "shadow_rate": cfg.disk.order_shadow_rate})
-    if hasattr(policy, "shadow_on_requests"):  # the policies with an LRU shadow (it is read by them only)
-        policy.shadow_on_requests = True
-    return policy
+    """The disk tier's policy from the daemon's settings (:func:`tierkv.cache.wiring.colder_policy`):
+    weighted by the admission rule's eviction model under ``predicted`` ``disk.admission``, aged by
+    ``disk.idle_aging``, with the LRU shadow of ``disk.order_shadow_rate`` fed by the disk's references."""
+    name = cfg.disk.policy
+    return wiring.colder_policy(name, cfg.policy_settings(name),
+                                {"idle_aging": cfg.disk.idle_aging, "shadow_rate": cfg.disk.order_shadow_rate},
+                                evict_model=evict_model, mode=cfg.disk.admission, history=history)
+
+
+def make_admission(cfg: Config, history: History, records: int) -> Admission:
+    """The disk's admission rule from the daemon's settings (``disk.admission``, ``disk.shadow_rate``):
+    its models remember ``records`` blocks and half as many departures; the shadow samples branches."""
+    return wiring.admission_rule(cfg.disk.admission, {"shadow_rate": cfg.disk.shadow_rate},
+                                 ghost_entries=records // 2, max_records=records, unit=history.branch)

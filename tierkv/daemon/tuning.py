@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tierkv.cache import tuning
+from tierkv.cache.admission import Admission
 from tierkv.cache.placement import DiskPlacement, HostPlacement
-from tierkv.cache.policy import History, Policy
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.policy import Policy
+from tierkv.cache.reuse import History, ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.daemon.config import Config
 from tierkv.daemon.context import Context
@@ -24,7 +24,7 @@ class Tuner:
 
     def __init__(self, ctx: Context, table: BlockTable, host: HostPool, disk: DiskTier | None,
                  hostp: HostPlacement, diskp: DiskPlacement, history: History, host_reuse: ReuseModel,
-                 admission: Placement, engine: TransferEngine, kick: Callable[[bool], None],
+                 admission: Admission, engine: TransferEngine, kick: Callable[[bool], None],
                  trim_disk: Callable[[], object]) -> None:
         """``kick(force)`` asks the evictor to run soon (a smaller host tier demotes at once);
         ``trim_disk()`` starts the deletes that bring the disk tier under its high watermark."""

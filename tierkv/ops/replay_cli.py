@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
+from tierkv.cache.admission import MODES
 from tierkv.cache.policy import policy_class, policy_names
-from tierkv.cache.policy.placement import MODES
 from tierkv.daemon.config import Config, load_config
 from tierkv.sim.advise import advise_admission
 from tierkv.sim.replay import (
@@ -208,7 +208,7 @@ def _print_profile(p: dict[str, Any]) -> None:
 @click.option("--admission", type=click.Choice(MODES), default="all", show_default=True,
               help="Disk admission of the named policies other than 'default' and 'opt'.")
 @click.option("--disk-admission/--no-disk-admission", default=None,
-              help="Shorthand: --admission reused (written only if seen twice, shared or pinned) / all.")
+              help="Shorthand: --admission reused (written only if used again since it was cached, leased or pinned) / all.")
 @click.option("--disk-exclusive", is_flag=True,
               help="A block read from disk gives up its disk copy (the daemon keeps it: inclusive).")
 @click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),

@@ -18,9 +18,9 @@ from dataclasses import asdict
 from typing import Any
 
 from tierkv.core.units import fmt_bytes
-from tierkv.sim.config import ReplayConfig, TierSpec
 from tierkv.sim.result import ReplayResult
 from tierkv.sim.simulator import replay
+from tierkv.sim.spec import ReplayConfig, TierSpec
 from tierkv.sim.workload import Workload
 
 

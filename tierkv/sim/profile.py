@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierkv.sim.config import ReplayConfig
 from tierkv.sim.result import percentile
+from tierkv.sim.spec import ReplayConfig
 from tierkv.sim.workload import Workload, prefill_seconds
 
 _QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))

@@ -9,14 +9,17 @@ The model, per request in timestamp order:
    first tier. Every page of the request is protected (leased) while room is made.
 3. Making room: the tier's policy picks victims (all or nothing); a victim with a copy further
    down just leaves, the others are written to the next tier if its admission rule
-   (:class:`~tierkv.cache.policy.placement.Placement`) takes them, else dropped.
+   (:class:`~tierkv.cache.admission.Admission`) takes them, else dropped. The rule is told how often
+   a victim was used since it was cached (a request naming it while a tier held it), as the daemon
+   tells it its blocks' hits.
 4. Time to first token: ``max(recompute time of the missed tokens, load time of the hit bytes)``
    (loads overlap layer-wise with compute); recompute cost per token grows with its position.
 5. The request finishes: its pages are a chain tail until a later request extends the chain (the
    engine's ``request_finished`` signal with the trace's output length, fed to the same reuse models
    as in the daemon).
 
-Every policy object is built with :func:`tierkv.cache.policy.make_policy`, driven by the trace clock.
+The policies and admission rules are wired as the daemon wires them (:mod:`tierkv.cache.wiring`), on
+the trace's clock.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from tierkv.cache.policy import History, Policy, make_policy, policy_class
+from tierkv.cache import wiring
+from tierkv.cache.admission import Admission
+from tierkv.cache.policy import Policy, policy_class
 from tierkv.cache.policy.attention import AttentionPolicy
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import History
 from tierkv.core.units import parse_capacity
-from tierkv.sim.config import ReplayConfig, TierSpec
 from tierkv.sim.result import ReplayResult, percentile
+from tierkv.sim.spec import ReplayConfig, TierSpec
 from tierkv.sim.stack import TierStack
 from tierkv.sim.workload import Workload, prefill_seconds
 
@@ -72,39 +76,35 @@ class Simulator:
         names = [t.policy or policy for t in config.tiers]
         # the first tier's attention policy weighs blocks by their learned chance of a return, as
         # the daemon's host tier does
-        self.host_reuse = ReuseModel(max_records=max(1 << 16, 4 * workload.unique_pages), output_edges="") \
+        self.host_reuse = wiring.host_reuse(max(1 << 16, 4 * workload.unique_pages)) \
             if names[0] in ("attention", "adaptive") else None
         if "default" in names:
             raise ValueError("policy 'default' needs each tier's policy (TierSpec.policy; the CLI reads "
                              "them from configs/default.toml)")
+        self.rules: list[Admission | None] = [self._make_rule(i) for i in range(len(config.tiers))]
         self.policies = [self._make_policy(name, i) for i, name in enumerate(names)]
         self.parent_of: dict[int, int] = {}  # page -> previous page of its prefix
+        self.hits: dict[int, int] = {}  # page -> uses since it was cached (the reused rule reads them)
         self._writer_free = [0.0] * len(config.tiers)  # trace time each tier's writer is done
         self._hit_tok = 0
-        self.rules: list[Placement | None] = [self._make_rule(i) for i in range(len(config.tiers))]
-        self._signals: list[Any] = [r for r in self.rules if r is not None]
-        for tier, rule in enumerate(self.rules):  # a colder tier weighs blocks by its rule's eviction model
-            pol = self.policies[tier]
-            if rule is not None and rule.mode == "predicted" and isinstance(pol, AttentionPolicy):
-                pol.reuse = rule.evict_model.predictor(self.clock)
+        # the engine's signals reach the models a decision reads: predicted rules and the host's reuse
+        self._signals: list[Any] = [r for r in self.rules if r is not None and r.mode == "predicted"]
         if self.host_reuse is not None:
             self._signals.append(self.host_reuse)
         modes = [t.admission_mode for t in config.tiers[1:]]
         self.admission_name = ",".join(modes) if modes else "none"
         self.placement_name = ",".join(f"{t.name}={n}" for t, n in zip(config.tiers, names))
 
-    def _make_rule(self, tier: int) -> Placement | None:
-        """The admission rule of tier ``tier`` (None: every victim is written)."""
-        spec = self.config.tiers[tier]
-        if tier == 0 or spec.admission_mode == "all":
+    def _make_rule(self, tier: int) -> Admission | None:
+        """The admission rule of tier ``tier`` (None for the first tier), as the daemon builds its disk's
+        (:func:`tierkv.cache.wiring.admission_rule`): the models remember the tier's capacity in blocks
+        of departures unless ``admission_settings`` say otherwise."""
+        if tier == 0:
             return None
-        # the rule counts every use itself, whatever the policy (the attention policies keep theirs)
-        settings = dict(self.config.admission_settings)
-        settings.setdefault("ghost_entries", max(16, self.caps[tier] // max(self.sizes[tier], 1)))
-        settings.setdefault("max_records", max(1 << 16, 4 * self.w.unique_pages))
-        rule = Placement(spec.admission_mode, **settings)
+        rule = wiring.admission_rule(self.config.tiers[tier].admission_mode, self.config.admission_settings,
+                                     ghost_entries=max(16, self.caps[tier] // max(self.sizes[tier], 1)),
+                                     max_records=max(1 << 16, 4 * self.w.unique_pages), unit=self.history.branch)
         rule.resize(self.caps[tier])
-        rule.unit = self.history.branch
         return rule
 
     def _page_cost_fn(self, tier: int) -> Callable[[int, int], float]:
@@ -130,19 +130,16 @@ class Simulator:
         return fn
 
     def _make_policy(self, name: str, tier: int) -> Policy:
+        """Tier ``tier``'s policy through the daemon's wiring (:mod:`tierkv.cache.wiring`), on the trace's
+        clock, with what the simulator knows of the trace (page costs, the oracle's next uses)."""
         cfg = self.config
         settings = dict(cfg.policy_settings.get(name, {}))
-        known = policy_class(name).SETTINGS
-        settings.update({k: v for k, v in cfg.tiers[tier].policy_settings.items() if k in known})
-        kwargs: dict[str, Any] = {}
+        hooks: dict[str, Any] = {}
         if name == "opt":
-            kwargs["next_use"] = self._next_of.__getitem__
+            hooks["next_use"] = self._next_of.__getitem__
         elif issubclass(policy_class(name), AttentionPolicy):
-            kwargs["history"] = self.history
-            if tier == 0 and self.host_reuse is not None:
-                kwargs["reuse"] = self.host_reuse.predictor(self.clock)
             if cfg.page_costs:
-                kwargs["cost_fn"] = self._page_cost_fn(tier)
+                hooks["cost_fn"] = self._page_cost_fn(tier)
             settings.setdefault("block_tokens", cfg.page_tokens)
             settings.setdefault("prefill_tokens_per_s", cfg.prefill_tokens_per_s)
             settings.setdefault("attn_double_tokens", cfg.attn_double_tokens)
@@ -150,10 +147,14 @@ class Simulator:
                 below = cfg.tiers[tier + 1]
                 settings.setdefault("fetch_bytes_per_s", below.read_bytes_per_s)
                 settings.setdefault("fetch_latency_s", below.latency_s)
-        policy = make_policy(name, clock=self.clock, **settings, **kwargs)
-        if tier > 0 and hasattr(policy, "shadow_on_requests"):
-            policy.shadow_on_requests = True  # fed by the first tier's misses, as the daemon's disk
-        return policy
+        overrides = cfg.tiers[tier].policy_settings
+        rule = self.rules[tier]
+        if rule is None:
+            return wiring.host_policy(name, settings, overrides, clock=self.clock, history=self.history,
+                                      reuse=self.host_reuse, **hooks)
+        # fed by the first tier's misses, as the daemon's disk
+        return wiring.colder_policy(name, settings, overrides, evict_model=rule.evict_model, mode=rule.mode,
+                                    clock=self.clock, history=self.history, **hooks)
 
     def run(self, capacity_label: str | None = None) -> ReplayResult:
         """Replay the whole workload and return its figures."""
@@ -213,8 +214,13 @@ class Simulator:
         for j in range(1, n):
             self.parent_of[pages[j]] = pages[j - 1]
         incoming: list[int] = []
+        hits = self.hits
         for p in pages:
             t = stack.fastest(p)
+            if t is None:
+                hits.pop(p, None)  # computed: cached afresh
+            else:
+                hits[p] = hits.get(p, 0) + 1  # a use of a cached page (the daemon's lease)
             if t == 0:
                 stack.use(p)
                 continue
@@ -250,8 +256,8 @@ class Simulator:
         the tier's writer has spare bandwidth (nothing queued), as the daemon's writer tells it."""
         rule, now = self.rules[tier], self.clock.now
         bw = self.config.tiers[tier].write_bytes_per_s
-        ok = rule is None or rule.admit(page, now, spare=bw > 0 and self._writer_free[tier] <= now,
-                                        size=self.sizes[tier])
+        ok = rule is None or rule.admit(page, now, hits=self.hits.get(page, 0),
+                                        spare=bw > 0 and self._writer_free[tier] <= now, size=self.sizes[tier])
         if ok and bw > 0:
             self._writer_free[tier] = max(self._writer_free[tier], now) + self.sizes[tier] / bw
         return ok

@@ -4,7 +4,7 @@ Each page is held by a set of tiers (a bit mask, tier 0 fastest). A read served 
 promotes the page into tier 0; an *inclusive* tier (the daemon's disk: a loaded block keeps its
 file copy) keeps its copy and counts a use, an exclusive one gives the page up. Making room in a
 tier asks its policy for victims; a victim with a copy further down just leaves, the others are
-offered to the next tier through the placement rule (:class:`~tierkv.cache.policy.placement.Placement`)
+offered to the next tier through the placement rule (:class:`~tierkv.cache.admission.Admission`)
 and dropped when it declines.
 """
 

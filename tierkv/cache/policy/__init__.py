@@ -5,9 +5,7 @@
 """
 
 from tierkv.cache.policy.base import HeapPolicy, Policy, Setting, make_policy, policy_class, policy_names
-from tierkv.cache.policy.history import History
 
 DEFAULT_POLICY = "attention"
 
-__all__ = ["DEFAULT_POLICY", "HeapPolicy", "History", "Policy", "Setting", "make_policy",
-           "policy_class", "policy_names"]
+__all__ = ["DEFAULT_POLICY", "HeapPolicy", "Policy", "Setting", "make_policy", "policy_class", "policy_names"]

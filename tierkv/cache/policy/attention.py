@@ -31,11 +31,11 @@ A block is only a candidate once none of its prefix children is resident in this
 
 With ``shadow_rate`` > 0 the policy never trails plain recency for long: a
 :class:`~tierkv.cache.policy.shadow.Shadow` runs this score and LRU side by side on a hash sample of
-the branches (:meth:`~tierkv.cache.policy.history.History.branch`: a sampled branch is seen whole,
+the branches (:meth:`~tierkv.cache.reuse.history.History.branch`: a sampled branch is seen whole,
 so the orders are compared on the prefixes they keep; ``shadow_rate`` of them, at that fraction of
 the tier's bytes), and while LRU is the one hitting more there, the tier evicts in LRU order (the score is kept up to date all the while, so it
 takes over again as soon as it leads). A tier where the score wins evicts exactly as without it.
-Use counts and depths live in a :class:`~tierkv.cache.policy.history.History` that may be shared by
+Use counts and depths live in a :class:`~tierkv.cache.reuse.history.History` that may be shared by
 the policies of all tiers, so heat survives demotion and re-fetch.
 """
 
@@ -47,9 +47,9 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from tierkv.cache.policy.base import HeapPolicy, Protected, Setting, never, register, walk_victims
-from tierkv.cache.policy.history import History, Record, decayed
 from tierkv.cache.policy.lru import LRUPolicy
 from tierkv.cache.policy.shadow import Shadow
+from tierkv.cache.reuse.history import History, Record, decayed
 
 _MIB = float(1 << 20)
 _IDLE_START_S = 300.0  # idle_aging: the victims' mean idle time before any victim
@@ -67,7 +67,7 @@ class AttentionPolicy(HeapPolicy):
         cost_fn: ``cost_fn(key, size) -> seconds`` to need the block again after it leaves this
             tier (e.g. the store's cost model); overrides the configured figures.
         reuse: ``reuse(key) -> probability`` that the block is requested again once it leaves
-            (:meth:`~tierkv.cache.policy.reuse.ReuseModel.predictor`); ``None`` leaves it out.
+            (:meth:`~tierkv.cache.reuse.model.ReuseModel.predictor`); ``None`` leaves it out.
         history: shared use history; a private one is made if ``None``.
         **settings: see ``SETTINGS``.
     """

@@ -38,10 +38,10 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from tierkv.core.errors import BadRequest
 from tierkv.tiers.remote.breaker import Breakers
-from tierkv.tiers.remote.config import RemoteConfig
 from tierkv.tiers.remote.connection import Nodes, connection_options
 from tierkv.tiers.remote.pipeline import Pipeline
 from tierkv.tiers.remote.resp import SKIPPED
+from tierkv.tiers.remote.settings import RemoteConfig
 from tierkv.tiers.remote.url import KEY_PREFIX, parse_remote_url, redact_url, remote_key
 
 log = logging.getLogger("tierkv.remote")
@@ -68,7 +68,7 @@ class RemoteTier:
     """Block values in a shared Redis/Valkey, standalone or cluster.
 
     Args:
-        url: see :class:`~tierkv.tiers.remote.config.RemoteConfig`.
+        url: see :class:`~tierkv.tiers.remote.settings.RemoteConfig`.
         username: ACL user; overrides the URL's.
         password: overrides the URL's.
         cluster: treat a ``redis://`` / ``rediss://`` URL as a cluster seed.
@@ -126,7 +126,7 @@ class RemoteTier:
 
     @classmethod
     def from_config(cls, cfg: RemoteConfig, **kwargs: Any) -> RemoteTier:
-        """Build from a :class:`~tierkv.tiers.remote.config.RemoteConfig` (``cfg.url`` must be set)."""
+        """Build from a :class:`~tierkv.tiers.remote.settings.RemoteConfig` (``cfg.url`` must be set)."""
         cfg.validate()
         if not cfg.url:
             raise ValueError("remote.url is empty: no remote tier configured")

@@ -3,15 +3,16 @@
 Admission by predicted reuse, not by past use. A block evicted before its first reuse (the previous
 turn of a conversation whose next turn has not come yet) is exactly the block a chat needs next, so
 a rule that waits for a second use drops it. The ``predicted`` rule asks a
-:class:`~tierkv.cache.policy.reuse.ReuseModel` (a ghost list per block class) for the chance ``p`` that a
+:class:`~tierkv.cache.reuse.model.ReuseModel` (a ghost list per block class) for the chance ``p`` that a
 victim is requested again, and writes it when the expected saving beats the write::
 
     p * recompute_s * (1 + depth_cost * depth) >= write_s
 
 Write bandwidth is a budget: while the writer has spare bandwidth (``spare``, from the caller) every
 victim goes but the tails under the floor (below); under pressure the least valuable are skipped
-first. Pinned and shared blocks are always written. The other modes: ``reused`` (used twice, shared or pinned),
-``all``, ``pinned``.
+first. Pinned and shared blocks are always written. The other modes: ``reused`` (a block used again
+since it was cached, a leased or a pinned one: :func:`reused`), ``all``, ``pinned``. The daemon's
+remote tier asks the same rule with its own mode (``remote.admission``).
 
 The floor: a chain's tail (the last block of the request it was last seen in, which no later
 request has extended) comes back only when a later request holds it whole: the next turn of a
@@ -21,17 +22,17 @@ model's, so it counts a tail that never returns as a miss after a quarter of the
 admission model waits (on a short trace, that model's list may never turn over). A tail whose class
 returns less often than ``floor`` (0.05) within that shorter list is not written, writer idle or
 busy. Other blocks are left to the admission model: a class that returns late (after the shorter
-list) would look dead to the floor (docs/placement.md).
+list) would look dead to the floor (docs/eviction-admission.md).
 
 The colder tier's eviction order weighs its blocks by a second model (``evict_model``, a
-:meth:`~tierkv.cache.policy.reuse.ReuseModel.sibling` over the same block records), whose ghost list
+:meth:`~tierkv.cache.reuse.model.ReuseModel.sibling` over the same block records), whose ghost list
 is ``evict_horizon`` (0.75) times as long: the order wants the chance of a
 return while the tier would still hold the block, the admission rule a more generous one (on the
 synthetic trace the shorter list gains the eviction order 0.4-0.5 points and costs the admission
-rule 3.5: docs/placement.md).
+rule 3.5: docs/eviction-admission.md).
 
 With ``shadow_rate`` > 0 the ``predicted`` rule never trails writing every victim for long: an
-:class:`~tierkv.cache.policy.admission_shadow.AdmissionShadow` feeds the victims of a hash sample of
+:class:`~tierkv.cache.admission_shadow.AdmissionShadow` feeds the victims of a hash sample of
 the branches (``unit``, set by the owner: the branch of a key; the key itself by default) to two
 small LRU caches, one taking the rule's writes and one every victim, and while write-all hits
 clearly more there every victim is written (as ``all``).
@@ -44,9 +45,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from tierkv.cache.policy.admission_shadow import AdmissionShadow
+from tierkv.cache.admission_shadow import AdmissionShadow
 from tierkv.cache.policy.base import Setting, checked_settings
-from tierkv.cache.policy.reuse import ReuseModel
+from tierkv.cache.reuse import ReuseModel
 
 MODES = ("predicted", "reused", "all", "pinned")
 
@@ -61,7 +62,13 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
-class Placement:
+def reused(hits: int, sharers: int, pinned: bool) -> bool:
+    """The ``reused`` rule: the block was used again since it was cached (``hits``: leases and stores
+    that found it cached), is leased now (``sharers``) or belongs to a pinned prefix."""
+    return pinned or hits >= 1 or sharers >= 1
+
+
+class Admission:
     """The admission rule of one cold tier (see the module docstring).
 
     Args:
@@ -149,19 +156,21 @@ class Placement:
         self.floor_model.returned(keys)
 
     # -- the decision -----------------------------------------------------------------------------
-    def wants(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
-              spare: bool = False) -> bool:
-        """Whether a victim ``key`` would be written (no side effects; see :meth:`admit`)."""
-        return self._rule(key, now, sharers, pinned, spare) or self.writes_all
+    def wants(self, key: Hashable, now: float, *, hits: int = 0, sharers: int = 0, pinned: bool = False,
+              spare: bool = False, mode: str | None = None) -> bool:
+        """Whether a victim ``key`` would be written (no side effects; see :meth:`admit`). ``mode``:
+        another tier's mode (the remote tier's ``reused``, ``all`` or ``pinned``) instead of the rule's."""
+        mode = self.mode if mode is None else _check_mode(mode)
+        return self._rule(mode, key, now, hits, sharers, pinned, spare) or (mode == "predicted" and self.writes_all)
 
-    def _rule(self, key: Hashable, now: float, sharers: int, pinned: bool, spare: bool) -> bool:
-        mode = self.mode
+    def _rule(self, mode: str, key: Hashable, now: float, hits: int, sharers: int, pinned: bool,
+              spare: bool) -> bool:
         if mode == "all" or pinned:
             return True
         if mode == "pinned":
             return False
         if mode == "reused":
-            return sharers >= 2 or self.model.uses(key) >= 2
+            return reused(hits, sharers, pinned)
         if sharers >= 2:
             return True
         s = self._settings
@@ -172,7 +181,7 @@ class Placement:
         saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self.model.depth(key))
         return self.model.p(key, now) * saved >= s["write_s"]
 
-    def admit(self, key: Hashable, now: float, *, sharers: int = 0, pinned: bool = False,
+    def admit(self, key: Hashable, now: float, *, hits: int = 0, sharers: int = 0, pinned: bool = False,
               spare: bool = False, size: int = 1) -> bool:
         """Whether a victim ``key`` is written to the tier; counts the decision and, in ``predicted``
         mode, remembers it on the model's ghost list.
@@ -180,13 +189,14 @@ class Placement:
         Args:
             key: the block leaving the faster tier.
             now: the caller's clock (seconds).
-            sharers: live leases plus prefix children.
+            hits: uses of the block since it was cached (``reused``).
+            sharers: live leases on the block.
             pinned: the block belongs to a pinned prefix.
             spare: the writer has spare bandwidth (its queue is empty): every victim goes but the
                 tails under the floor.
             size: the bytes the block takes in the tier (for the shadow).
         """
-        ok = self._rule(key, now, sharers, pinned, spare)
+        ok = self._rule(self.mode, key, now, hits, sharers, pinned, spare)
         if self.mode == "predicted":
             self.model.left(key, now)
             self.evict_model.left(key, now)

@@ -16,7 +16,7 @@ class is ``(returns + 2 * prior) / (returns + misses + 2)``. A class is
   request finishes (``request_finished(..., output_tokens=n)``), before its blocks leave host memory.
 
 Plain code, no threads and no I/O. Keys are any hashable (the simulator's pages, the daemon's
-fingerprinted keys). The admission rule (:mod:`tierkv.cache.policy.placement`) and, through ``reuse``,
+fingerprinted keys). The admission rule (:mod:`tierkv.cache.admission`) and, through ``reuse``,
 the attention policy use it.
 """
 

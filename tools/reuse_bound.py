@@ -1,4 +1,4 @@
-"""How far a class-based online placement can go: the default with each block class's true return probability.
+"""How far a class-based online policy can go: the default with each block class's true return probability.
 
 Pass 1 replays the default placement (``configs/default.toml``) over host + disk and records, for every
 host victim the disk rule weighs, its reuse-model class and whether the trace uses it again later.
@@ -8,9 +8,9 @@ both. With ``--disk 0`` the stack is the host tier alone and ``--on host`` repla
 learned reuse factor (the classes of the blocks it evicts) instead. The order of future requests is never used, so the result bounds what a perfectly trained
 class-based policy reaches, beside OPT.
 
-    python tools/placement_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 2% --disk 30%
-    python tools/placement_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 10% --disk 0 --on host --within 60
-    python tools/placement_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 2% --disk 30% --warm
+    python tools/reuse_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 2% --disk 30%
+    python tools/reuse_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 10% --disk 0 --on host --within 60
+    python tools/reuse_bound.py ../shared/data/traces/mooncake_synthetic_trace.jsonl --host 2% --disk 30% --warm
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from tierkv.ops.replay_cli import daemon_config, tiers_for
-from tierkv.sim.config import ReplayConfig, TierSpec
 from tierkv.sim.simulator import Simulator
+from tierkv.sim.spec import ReplayConfig, TierSpec
 from tierkv.sim.trace import load_trace
 from tierkv.sim.workload import Workload
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.cache.policy.placement import MODES
+from tierkv.cache.admission import MODES
 
 
 @dataclass
@@ -21,8 +21,9 @@ class TierSpec:
         latency_s: fixed cost added once per request that reads from this tier.
         compression: raw bytes / stored bytes (disk and remote tiers store encoded blocks).
         admission: the rule for blocks demoted here: a mode of
-            :class:`~tierkv.cache.policy.placement.Placement` (``predicted``, ``reused``, ``all``,
-            ``pinned``); ``True`` means ``reused`` (seen twice, shared or pinned), ``False`` ``all``.
+            :class:`~tierkv.cache.admission.Admission` (``predicted``, ``reused``, ``all``,
+            ``pinned``); ``True`` means ``reused`` (used again since it was cached, or pinned), ``False``
+            ``all``.
         inclusive: a page read from this tier keeps its copy here (the daemon's disk tier does);
             otherwise it moves up and is written again when it is evicted.
         policy: this tier's eviction policy, instead of the one the run names.
@@ -73,7 +74,7 @@ class ReplayConfig:
             time of its tokens at its position, or the fetch time from the next tier if lower) as
             ``cost_fn``, as the daemon passes its store's cost model.
         policy_settings: per policy name, settings passed to :func:`make_policy`.
-        admission_settings: settings of :class:`~tierkv.cache.policy.placement.Placement`.
+        admission_settings: settings of :class:`~tierkv.cache.admission.Admission`.
     """
 
     tiers: list[TierSpec] = field(default_factory=lambda: [TierSpec("host", "5%")])

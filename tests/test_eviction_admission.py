@@ -1,5 +1,6 @@
-"""Placement across the stack: the predicted admission rule, the engine's request-finished signal,
-and `tierkv replay --policy default` running what configs/default.toml sets."""
+"""Eviction and admission across the stack, in a running daemon and in `tierkv replay`: demotion to disk,
+the engine's request-finished signal, learned classes across restarts, and `tierkv replay --policy
+default` running what configs/default.toml sets."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
-from tierkv.cache.policy.placement import Placement
-from tierkv.cache.policy.reuse import ReuseModel
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -116,57 +115,6 @@ def test_request_finished_carries_the_generated_token_count(daemon):
         assert c.lookup(keys) == 4
 
 
-def test_the_eviction_model_learns_over_a_shorter_ghost_list():
-    """The disk order's model sees every signal the admission model sees, on a ghost list
-    ``evict_horizon`` times as long: a block that returns after more departures than that counts a
-    miss for the eviction model and a return for the admission model."""
-    rule = Placement("predicted", ghost_entries=100, evict_horizon=0.5)
-    assert rule.evict_model.settings()["ghost_entries"] == 50
-    rule.requested([b"late"], 0.0)
-    cls = rule.model.block_class(b"late", 0.0)  # the class it leaves with
-    rule.admit(b"late", 0.0)
-    for i in range(70):  # 70 departures later: off the 50-entry list, still on the 100-entry one
-        rule.requested([i], 1.0)
-        rule.admit(i, 1.0)
-    rule.requested([b"late"], 2.0)
-    assert rule.model.returns == 1 and rule.evict_model.returns == 0
-    assert rule.evict_model.class_p(cls) < 0.5 < rule.model.class_p(cls)
-    rule.update(evict_horizon=2.0)
-    assert rule.evict_model.settings()["ghost_entries"] == 200
-    with pytest.raises(ValueError, match="evict_horizon"):
-        rule.update(evict_horizon=0.0)
-    assert rule.evict_model.settings()["ghost_entries"] == 200  # a bad value changes nothing
-
-
-def test_the_floor_skips_tails_that_never_return():
-    """A chain tail is not written when the floor model (a ghost list ``floor_horizon`` times as long)
-    finds its class comes back less often than ``floor``, writer idle or busy; the admission model,
-    whose list has not turned over yet, still holds the prior for that class. Other blocks are the
-    admission model's to decide."""
-    rule = Placement("predicted", ghost_entries=400, floor_horizon=0.25)
-    assert rule.floor_model.settings()["ghost_entries"] == 100
-    for i in range(150):
-        live, dead = (b"live", i), (b"dead", i)
-        rule.requested([live, (b"next", i)], float(i))  # a chain whose first block comes back
-        assert rule.admit(live, float(i), spare=True)
-        rule.requested([live, (b"again", i)], float(i))
-        rule.requested([dead], float(i))  # a finished request's tail that no request extends
-        rule.request_finished([dead], float(i))
-        rule.admit(dead, float(i), spare=True)
-    now, tail = 150.0, (b"dead", 150)
-    rule.requested([tail], now)
-    rule.request_finished([tail], now)
-    assert rule.model.is_tail(tail) and not rule.model.is_tail((b"live", 149))
-    assert rule.floor_model.p(tail, now) < 0.05 <= rule.model.p(tail, now)
-    assert not rule.wants(tail, now, spare=True) and not rule.wants(tail, now, spare=False)
-    assert rule.wants(tail, now, sharers=2)  # shared blocks are always written
-    rule.requested([tail, b"turn 2"], now + 1)  # a later request extends the chain through it
-    assert not rule.model.is_tail(tail) and rule.wants(tail, now + 1, spare=True)
-    rule.update(floor=0.0)  # no floor: the admission model decides every victim
-    assert rule.wants((b"dead", 149), now, spare=True)
-    assert rule.snapshot()["floor"]["ghost"] == 100
-
-
 def test_learned_classes_survive_a_restart(daemon_factory):
     """The reuse models' class counts are kept in the data directory: a restarted daemon starts with
     what the last one learned; a damaged file is ignored and nothing stored is lost."""
@@ -209,121 +157,6 @@ def test_durable_puts_are_written_whatever_the_rule(daemon_factory):
         assert c.lookup_tiers(keys) == ["disk"] * 8
 
 
-# -- the rule ------------------------------------------------------------------------------------
-
-def test_rule_learns_that_finished_tails_come_back():
-    """Chains that are extended after they finish are written under pressure; a class of blocks
-    that never returns is skipped once the ghost list has seen enough of it."""
-    rule = Placement("predicted", ghost_entries=64, write_s=0.03)
-    now = 0.0
-    for i in range(200):  # one-shot chains of length 1: dropped, never requested again
-        key = ("once", i)
-        rule.requested([key], now)
-        rule.admit(key, now)
-        now += 1.0
-    assert not rule.wants(("once", 999), now)
-    for i in range(100):  # a conversation: each turn extends the last, whose tail was evicted
-        turn = [("chat", j) for j in range(4 * i + 4)]
-        rule.requested(turn, now)
-        rule.request_finished(turn, now)
-        for key in turn[-4:]:
-            rule.admit(key, now)
-        now += 1.0
-    tail = [("chat", j) for j in range(404)]
-    rule.requested(tail, now)
-    rule.request_finished(tail, now)
-    assert rule.wants(tail[-1], now)
-    assert rule.wants(("once", 1000), now, spare=True)  # spare write bandwidth: every victim goes
-    assert rule.wants(("once", 1001), now, pinned=True)
-
-
-def test_rule_learns_which_output_lengths_come_back():
-    """Documents asked about with a short answer are sent again, long generations are not: once the
-    ghost list has seen both, a new block is written under pressure only for the short kind."""
-    rule = Placement("predicted", ghost_entries=64, write_s=0.03)
-    now = 0.0
-    for i in range(150):
-        for kind, out in (("short", 8), ("long", 900)):
-            chain = [(kind, i, j) for j in range(4)]
-            rule.requested(chain, now)
-            rule.request_finished(chain, now, out)
-            for key in chain:
-                rule.admit(key, now)
-            if kind == "short" and i % 4:  # most short-answer documents are sent again
-                rule.requested(chain, now + 0.5)
-            now += 1.0
-    fresh = {}
-    for kind, out in (("short", 8), ("long", 900)):
-        fresh[kind] = chain = [(kind, "new", j) for j in range(4)]
-        rule.requested(chain, now)
-        rule.request_finished(chain, now, out)
-    assert rule.wants(fresh["short"][1], now) and not rule.wants(fresh["long"][1], now)
-    assert rule.model.class_p(rule.model.block_class(fresh["short"][1], now)) > 0.5
-
-
-def test_reuse_model_counts_load_only_when_they_fit():
-    m = ReuseModel(ghost_entries=16)
-    for i in range(40):
-        m.requested([("k", i)], float(i))
-        m.left(("k", i), float(i))
-    m.requested([("k", 30), ("k", 31)], 50.0)  # two returns
-    saved = m.counts()
-    fresh = ReuseModel()
-    assert fresh.load_counts(saved) and fresh.restored
-    assert fresh.snapshot()["classes"] == m.snapshot()["classes"]
-    big = {**saved, "gone": {c: 1e9 for c in saved["gone"]}}
-    capped = ReuseModel()
-    assert capped.load_counts(big, keep=100.0)
-    assert all(n <= 100.0 for n in capped.counts()["gone"].values())  # old counts weigh at most 100
-    for bad in (None, [], {**saved, "version": 99}, {**saved, "output_edges": "64"},
-                {**saved, "back": {"x": 1}}, {**saved, "back": {1: -1}}, {**saved, "gone": {1: float("nan")}},
-                {**saved, "back": {99999: 1}}, {**saved, "gone": "many"}):
-        other = ReuseModel()
-        assert not other.load_counts(bad) and not other.restored and other.counts()["back"] == {}
-
-
-def test_reuse_model_output_classes():
-    m = ReuseModel()
-    for name, out in (("a", 10), ("b", 500), ("c", None)):
-        m.requested([(name, 0), (name, 1)], 0.0)
-        m.request_finished([(name, 0), (name, 1)], 0.0, out)
-    classes = {name: m.block_class((name, 0), 1.0) for name in "abc"}
-    assert len(set(classes.values())) == 3  # short, long, not said
-    off = ReuseModel(output_edges="")
-    for name, out in (("a", 10), ("b", 500)):
-        off.requested([(name, 0), (name, 1)], 0.0)
-        off.request_finished([(name, 0), (name, 1)], 0.0, out)
-    assert off.block_class(("a", 0), 1.0) == off.block_class(("b", 0), 1.0)
-    assert off.snapshot()["finished_with_output_tokens"] == 2
-    for bad in ("abc", "128,32", "0", "-4", "32,32", "1,2,3,4,5,6,7"):
-        with pytest.raises(ValueError, match="output_edges"):
-            ReuseModel(output_edges=bad)
-    m.update(output_edges="64")
-    with pytest.raises(ValueError):
-        m.update(output_edges="x")
-    assert m.settings()["output_edges"] == "64"  # a bad update changes nothing
-
-
-def test_reuse_model_tails_extension_and_bounds():
-    m = ReuseModel(max_records=32, ghost_entries=16)
-    m.requested(["a", "b"], 0.0)
-    m.request_finished(["a", "b"], 1.0)
-    tail_cls = m.block_class("b", 2.0)
-    m.requested(["a", "b", "c"], 3.0)  # the next turn extends the chain: "b" is not its tail
-    assert m.block_class("b", 4.0) != tail_cls and m.uses("b") == 2 and m.depth("c") == 2
-    assert m.block_class("c", 3.0 + 601.0) != m.block_class("c", 4.0)  # a chain idle past the TTL
-    for i in range(100):
-        m.requested([("k", i)], 10.0 + i)
-        m.left(("k", i), 10.0 + i)
-    assert len(m._rec) <= 32 and len(m._ghost) <= 16
-    assert m.class_p(m.block_class(("k", 99), 200.0)) < 0.2  # none of them came back
-    m.left("a", 300.0, horizon=20)
-    m.stored(["a"], 301.0)  # dropped, then computed and stored again: a return
-    assert m.returns == 1
-    with pytest.raises(ValueError):
-        ReuseModel(ghost_entries=1)
-
-
 def test_host_stats_show_the_learned_reuse(daemon_factory):
     d = daemon_factory(["--host-capacity", "4MiB", "--slab-bytes", "1MiB"])
     with d.client() as c:  # 8 KiB blocks: 512 slots
@@ -333,23 +166,6 @@ def test_host_stats_show_the_learned_reuse(daemon_factory):
         c.get(keys[-10:])
         reuse = c.stats()["tiers"]["host"]["reuse"]
         assert reuse["ghost"] > 0 and set(reuse) >= {"returns", "classes", "finished_requests"}
-
-
-def test_rule_modes_and_bad_settings():
-    assert Placement("all").wants("k", 0.0)
-    assert not Placement("pinned").wants("k", 0.0)
-    reused = Placement("reused")
-    reused.requested(["k"], 0.0)
-    assert not reused.wants("k", 0.0)
-    reused.requested(["k"], 1.0)
-    assert reused.wants("k", 1.0)
-    with pytest.raises(ValueError, match="admission mode"):
-        Placement("sometimes")
-    with pytest.raises(ValueError, match="no setting"):
-        Placement(bogus=1)
-    with pytest.raises(ValueError, match="admission mode"):
-        reused.update(mode="never")
-    assert reused.mode == "reused"
 
 
 # -- the simulator -------------------------------------------------------------------------------
