@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import Daemon, has_cuda
+from tests.helpers import Daemon, has_cuda
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -6,8 +6,8 @@ made it (and, as a last resort, when the interpreter exits).
 
 Use from a test module (assigning the fixtures makes them visible to pytest there)::
 
-    from . import redis_servers
-    from .redis_servers import need_redis
+    from tests import redis_servers
+    from tests.redis_servers import need_redis
 
     redis_factory = redis_servers.redis_factory
 

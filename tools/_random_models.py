@@ -1,6 +1,6 @@
 """Random-weight models of the architectures vLLM serves with more than plain attention (a transformers
 config, seeded random weights, ``save_pretrained``; nothing is downloaded), for the tests
-(``tests/test_vllm_models.py``, size ``tiny``) and ``tools/bench_models.py`` (size ``bench``).
+(``tests/system/test_vllm_models.py``, size ``tiny``) and ``tools/bench_models.py`` (size ``bench``).
 
 Each borrows the demo model's tokenizer (SmolLM2's, 49,152 tokens). The same call makes the same model.
 

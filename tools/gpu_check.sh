@@ -26,7 +26,7 @@ PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_paged.py tests/test_gpu_tier.py tests/test_vllm_plan.py tests/test_vllm_async.py -x \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/client/test_paged.py tests/daemon/test_gpu_tier.py tests/integrations/test_vllm_plan.py tests/integrations/test_vllm_async.py -x \
   2>&1 | tee "$OUT/gpu_tests.log"
 timeout 120 python3 tools/bench_paged.py --skip-cpu --out "$OUT/bench_paged.json" 2>&1 | tee "$OUT/bench_paged.log"
 timeout 150 python3 tools/bench_transfer.py --skip a,b,c --json "$OUT/bench_transfer.json" 2>&1 \

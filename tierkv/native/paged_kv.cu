@@ -15,7 +15,7 @@
 //   * NVRTC (cupy.RawModule): no includes, kernels are extern "C".
 //   * nvcc through torch.utils.cpp_extension.load_inline, with -DTIERKV_TORCH_EXTENSION: adds a launcher.
 //   * g++ with -DTIERKV_HOST_EMULATION: a serial host loop runs the kernel body, so CI without a GPU
-//     checks this file's index math against the torch reference (tests/test_paged.py).
+//     checks this file's index math against the torch reference (tests/client/test_paged.py).
 //
 // Addresses are passed as 64-bit integers and cast here: cupy packs numpy scalars by size, and host
 // memory registered with CUDA (cudaHostRegister, pinned slots) is addressed by its host pointer under UVA.

@@ -1,0 +1,205 @@
+"""The daemon and ``tierkv replay`` agree: one trace through a running daemon and through the simulator.
+
+Each request goes through the real client in trace order: its hit is the longest cached prefix
+(``lookup``), the hit blocks are leased (``acquire``: a use the host policy sees) and the missed
+blocks are stored. The simulator replays the same trace over a host tier of the same capacity.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tierkv.ops.replay_cli import daemon_config, tiers_for
+from tierkv.sim.chat_trace import ChatTraceSpec, generate
+from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace
+from tierkv.sim.simulator import Simulator
+
+from tests.helpers import FAST_ENV, SMALL
+
+BT = SMALL.block_tokens  # one trace block is one daemon block (8 KiB)
+SLAB = 256 << 10
+# The evictor demotes above the high watermark down to the low one; at 1.0 it never runs, and a store
+# makes room exactly when the tier is full, as the simulator does.
+RAW_STORED = 12 << 10  # an 8 KiB block stored raw takes 12 KiB of LMDB pages
+FULL_ONLY = {**FAST_ENV, "TIERKV_HOST_HIGH_WATERMARK": "1.0", "TIERKV_HOST_LOW_WATERMARK": "1.0"}
+
+
+def chat_lines(seed: int) -> list[str]:
+    """A small multi-turn chat trace (shared system prompts, turns extending their conversation), cut
+    to whole blocks: the daemon keys full blocks only, and a partial last page would take room in the
+    simulator and never hit (the generator renames it when the next turn fills it)."""
+    spec = ChatTraceSpec(conversations=60, rate_per_s=1.0, mean_turns=4.0, think_s=20.0, system_prompts=4,
+                         system_tokens=4 * BT, user_tokens=(BT, 4 * BT), reply_tokens=(BT // 2, 2 * BT),
+                         block_tokens=BT, seed=seed)
+    out = []
+    for req in generate(spec):
+        full = req["input_length"] // BT
+        out.append(json.dumps({**req, "input_length": full * BT, "hash_ids": req["hash_ids"][:full]}))
+    return out
+
+
+def workload(lines: list[str]) -> Workload:
+    return Workload(parse_trace(lines), BT, BT)
+
+
+@dataclass
+class Drive:
+    hits: list[int]      # per request: leading blocks cached
+    times: list[float]   # per request: daemon clock (monotonic) seconds since the first request
+    evictions: int
+
+
+def drive(d, w: Workload, store: str = "model", timeout: float | None = 0) -> Drive:
+    """Every request of ``w`` through the daemon in order; the hit prefix is leased while the rest is
+    stored.
+
+    ``store``: ``model`` (the simulator's model): a block after the first miss that is still cached is
+    leased too (a use, and safe from the store's evictions) and only the missing blocks are put;
+    ``put``: every block past the hit is put (cached ones are deduplicated, untouched); ``engine``: as
+    the vLLM connector stores, ``alloc`` for every block past the hit, then ``commit`` (cached ones are
+    deduplicated and touched)."""
+    c = d.client()
+    zeros = torch.zeros(SMALL.batch_shape(max(len(p) for p in w.pages)), dtype=SMALL.torch_dtype)
+    hits, times = [], []
+    t0 = time.monotonic()
+    for pages, req in zip(w.pages, w.requests):
+        keys = [b"p%d" % p for p in pages]
+        times.append(time.monotonic() - t0)
+        leases = [c.acquire(keys[:c.lookup(keys)])]
+        hit = leases[0].count  # what an engine can use: the prefix that arrived in host memory
+        hits.append(hit)
+        rest = keys[hit:]
+        if store == "model":
+            for k in keys[hit:]:
+                leases.append(c.acquire([k]))
+            rest = [k for k, lease in zip(keys[hit:], leases[1:]) if not lease.count]
+        parent = keys[keys.index(rest[0]) - 1] if rest and rest[0] != keys[0] else None
+        if rest and store == "engine":
+            with c.alloc(len(rest), timeout=timeout) as slots:
+                slots.commit(rest, chains=[(0, parent)])
+        elif rest:
+            c.put(rest, zeros[:len(rest)], timeout=timeout, parent=parent)
+        for lease in leases:
+            lease.release()
+        c.request_finished(keys, req.output_tokens)
+    evictions = c.stats()["tiers"]["host"]["evictions"]
+    c.close()
+    return Drive(hits, times, evictions)
+
+
+def simulate(w: Workload, policy: str, cap: int, page_costs: bool = True) -> list[int]:
+    """Per request, the leading blocks the simulator hits over one host tier of ``cap`` bytes."""
+    cfg = ReplayConfig(tiers=[TierSpec("host", cap)], page_tokens=BT, trace_block_tokens=BT,
+                       kv_bytes_per_token=SMALL.block_bytes // BT, page_costs=page_costs)
+    sim = Simulator(w, policy, tiers_for(policy, cfg, daemon_config(None), "all"))
+    hits: list[int] = []
+    serve = sim._serve
+
+    def counted(pages, toks, hit_tokens):
+        loads = serve(pages, toks, hit_tokens)
+        hits.append(sim._hit_tok // BT)
+        return loads
+
+    sim._serve = counted
+    sim.run()
+    return hits
+
+
+def host_capacity(d) -> int:
+    return int(d.stats()["tiers"]["host"]["capacity_bytes"])
+
+
+def start(daemon_factory, blocks: int, policy: str | None, env: dict[str, str] = FULL_ONLY):
+    args = ["--host-capacity", str(blocks * SMALL.block_bytes), "--slab-bytes", str(SLAB), "--no-disk"]
+    return daemon_factory(args + (["--policy", policy] if policy else []), env=env)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lru_host_tier_hits_what_replay_predicts(daemon_factory, seed):
+    """Plain LRU on the host tier alone: the same hit on every request. The daemon's pool holds whole
+    slabs (130 blocks asked, 128 given): the simulator gets the capacity the daemon reports."""
+    w = workload(chat_lines(seed))
+    d = start(daemon_factory, 130, "lru")
+    cap = host_capacity(d)
+    assert cap == 128 * SMALL.block_bytes
+    got = drive(d, w).hits
+    want = simulate(w, "lru", cap)
+    total = sum(len(p) for p in w.pages)
+    assert 0.3 < sum(want) / total < 0.7  # eviction matters: an unbounded cache hits ~80%
+    assert got == want
+
+
+def test_watermarks_empty_the_tier_below_what_replay_models(daemon_factory):
+    """With the default watermarks (0.95 / 0.85) the evictor keeps the tier between 85% and 95% full:
+    the daemon hits less than the simulator at its full capacity, and no less than at 85% of it."""
+    w = workload(chat_lines(0))
+    d = start(daemon_factory, 128, "lru", env=FAST_ENV)
+    cap = host_capacity(d)
+    got = sum(drive(d, w).hits)
+    full, low = sum(simulate(w, "lru", cap)), sum(simulate(w, "lru", int(cap * 0.85)))
+    assert low <= got < full
+
+
+@pytest.mark.xfail(strict=True, reason="the connector's store path makes room for blocks it then "
+                   "deduplicates, and leaves cached blocks past the hit unprotected while it does")
+def test_engine_store_path_hits_what_replay_predicts(daemon_factory):
+    """As the vLLM connector stores: ``alloc`` for every block past the hit, ``commit`` all of them."""
+    w = workload(chat_lines(2))
+    d = start(daemon_factory, 128, "lru")
+    got = drive(d, w, store="engine").hits
+    assert got == simulate(w, "lru", host_capacity(d))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_default_policy_hits_what_replay_predicts(daemon_factory, seed):
+    """The default host policy (``attention`` with its LRU shadow) on the host tier alone. The
+    simulator runs on the daemon's clock (the time each request reached it) and with the daemon's
+    recompute cost (no per-page ``cost_fn``); on the trace's clock and with page costs it predicts
+    within 0.3% of that, so 2% is left for what still differs (uses counted on leases and stores)."""
+    lines = chat_lines(seed)
+    d = start(daemon_factory, 128, None)
+    run = drive(d, workload(lines))
+    timed = [json.dumps({**json.loads(s), "timestamp": t * 1000.0}) for s, t in zip(lines, run.times)]
+    want = sum(simulate(workload(timed), "default", host_capacity(d), page_costs=False))
+    got = sum(run.hits)
+    assert got == pytest.approx(want, rel=0.02), f"daemon {got} blocks, replay {want}"
+
+
+def simulate_two(w: Workload, policy: str, host: int, disk: int, admission: str, compression: float) -> int:
+    """Hit blocks the simulator gives a host tier of ``host`` bytes over an inclusive disk of ``disk``
+    (a block taking ``1 / compression`` of its bytes there)."""
+    cfg = ReplayConfig(tiers=[TierSpec("host", host), TierSpec("disk", disk, inclusive=True, compression=compression)],
+                       page_tokens=BT,
+                       trace_block_tokens=BT, kv_bytes_per_token=SMALL.block_bytes // BT)
+    run = tiers_for(policy, cfg, daemon_config(None), admission)
+    return round(Simulator(w, policy, run).run().token_hit_rate * sum(len(p) for p in w.pages))
+
+
+@pytest.mark.parametrize("policy", ["lru", "default"])
+def test_two_tiers_hit_what_replay_predicts(daemon_factory, policy):
+    """Host memory over a disk four times its size (blocks stored raw, so the simulator knows the bytes
+    each takes there), both evicting only when full: the daemon hits what replay predicts. The daemon
+    also writes blocks behind, ahead of their eviction, so its disk holds copies of blocks still in host
+    memory, which replay does not model: at this ratio that costs 1.1% with LRU and 4.1% with the
+    default order (2 and 5% allowed)."""
+    w = workload(chat_lines(0))
+    env = {**FULL_ONLY, "TIERKV_DISK_CODEC": "raw", "TIERKV_DISK_HIGH_WATERMARK": "1.0",
+           "TIERKV_DISK_LOW_WATERMARK": "1.0"}
+    if policy == "lru":
+        env.update(TIERKV_DISK_POLICY="lru", TIERKV_DISK_ADMISSION="all")
+    args = ["--host-capacity", str(96 * SMALL.block_bytes), "--slab-bytes", str(SLAB),
+            "--disk-capacity", str(384 * RAW_STORED)] + (["--policy", "lru"] if policy == "lru" else [])
+    d = daemon_factory(args, env=env)
+    tiers = d.stats()["tiers"]
+    got = sum(drive(d, w, timeout=None).hits)  # a store waits for the writer: no block is dropped unwritten
+    disk = d.stats()["tiers"]["disk"]
+    assert disk["evictions"] > 0 and disk["used_bytes"] == disk["blocks"] * RAW_STORED
+    want = simulate_two(w, policy, tiers["host"]["capacity_bytes"], tiers["disk"]["capacity_bytes"],
+                        "all" if policy == "lru" else daemon_config(None).disk.admission,
+                        SMALL.block_bytes / RAW_STORED)
+    assert got == pytest.approx(want, rel=0.02 if policy == "lru" else 0.05), f"daemon {got} blocks, replay {want}"
