@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tierkv.client.slots import Slots
+from tierkv.integrations.vllm.missing import missing
+from tierkv.integrations.vllm.plan import BlockIO
 from tierkv.ops.replay_cli import daemon_config, tiers_for
 from tierkv.sim.chat_trace import ChatTraceSpec, generate
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace
@@ -61,8 +64,9 @@ def drive(d, w: Workload, store: str = "model", timeout: float | None = 0) -> Dr
     ``store``: ``model`` (the simulator's model): a block after the first miss that is still cached is
     leased too (a use, and safe from the store's evictions) and only the missing blocks are put;
     ``put``: every block past the hit is put (cached ones are deduplicated, untouched); ``engine``: as
-    the vLLM connector stores, ``alloc`` for every block past the hit, then ``commit`` (cached ones are
-    deduplicated and touched)."""
+    the vLLM connector's store pass within the step: the blocks past the hit that the lookup index
+    holds are skipped, ``alloc`` for the others keeping the skipped ones, then ``commit`` of the others
+    with the skipped ones as uses."""
     c = d.client()
     zeros = torch.zeros(SMALL.batch_shape(max(len(p) for p in w.pages)), dtype=SMALL.torch_dtype)
     hits, times = [], []
@@ -80,8 +84,9 @@ def drive(d, w: Workload, store: str = "model", timeout: float | None = 0) -> Dr
             rest = [k for k, lease in zip(keys[hit:], leases[1:]) if not lease.count]
         parent = keys[keys.index(rest[0]) - 1] if rest and rest[0] != keys[0] else None
         if rest and store == "engine":
-            with c.alloc(len(rest), timeout=timeout) as slots:
-                slots.commit(rest, chains=[(0, parent)])
+            todo = missing([BlockIO("r", rest, list(range(len(rest))), parent=parent)], c.cached)
+            with c.alloc(len(todo.keys), timeout=timeout, keep=todo.uses) if todo.keys else Slots(c, []) as slots:
+                slots.commit(todo.keys, chains=todo.chains, uses=todo.uses)
         elif rest:
             c.put(rest, zeros[:len(rest)], timeout=timeout, parent=parent)
         for lease in leases:
@@ -145,10 +150,9 @@ def test_watermarks_empty_the_tier_below_what_replay_models(daemon_factory):
     assert low <= got < full
 
 
-@pytest.mark.xfail(strict=True, reason="the connector's store path makes room for blocks it then "
-                   "deduplicates, and leaves cached blocks past the hit unprotected while it does")
 def test_engine_store_path_hits_what_replay_predicts(daemon_factory):
-    """As the vLLM connector stores: ``alloc`` for every block past the hit, ``commit`` all of them."""
+    """As the vLLM connector stores: only the blocks past the hit that tierkv does not hold are
+    allocated and committed; the cached ones are kept from the allocation's evictions and used."""
     w = workload(chat_lines(2))
     d = start(daemon_factory, 128, "lru")
     got = drive(d, w, store="engine").hits

@@ -204,35 +204,54 @@ class Client(Connection):
                 return n
         return int(self._call(Op.LOOKUP, {"keys": keys})["count"])
 
+    def cached(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Per key, whether a local tier of the daemon holds it, answered from the shared lookup index
+        (no round trip). None when the index cannot answer: it is off or incomplete, or kept changing
+        during the read. A key may leave or arrive right after: the answer is a hint, and a commit stays
+        correct either way (a cached key is deduplicated; a key gone since is a later miss)."""
+        keys = check_keys(keys)
+        out = self._index.held(self.fingerprint, keys) if self._index is not None else None
+        if out is not None:
+            self._check_alive()
+        return out
+
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
         """The tier of each leading cached block ("host", "disk"); its length is :meth:`lookup`'s count."""
         return list(self._call(Op.LOOKUP, {"keys": check_keys(keys), "tiers": True})["tiers"])
 
     # ---- zero-copy layer --------------------------------------------------------------------------
-    def alloc(self, n: int, tier: str = "host", timeout: float | None = None) -> Slots:
+    def alloc(self, n: int, tier: str = "host", timeout: float | None = None,
+              keep: Sequence[bytes] = ()) -> Slots:
         """Allocate ``n`` slots to write new blocks into, in place (``slots.views[i]``); ``tier="gpu"``
         gives device views in the GPU tier (finish writing, e.g. synchronise the stream, before commit).
 
         A full host tier makes room at once (clean blocks first, then blocks not yet written to disk);
         only while every block is in use does it wait, at most ``timeout`` seconds (None: the daemon's
-        ``server.slot_wait_s``), then raise :class:`~tierkv.core.errors.TierFull`."""
+        ``server.slot_wait_s``), then raise :class:`~tierkv.core.errors.TierFull`. ``keep``: cached
+        blocks the new ones continue (a store that skips them, see :meth:`commit`'s ``uses``), which
+        this allocation does not evict to make room."""
         if not isinstance(n, int) or n < 0:
             raise BadRequest("n must be a non-negative int")
         tier = self._pick_tier(tier, None)
         body: dict[str, Any] = {"n": n, "tier": tier}
         if timeout is not None:
             body["timeout"] = check_seconds(timeout)
+        if keep:
+            body["keep"] = check_keys(keep)
         return Slots(self, self._call(Op.ALLOC, body)["slots"], tier)
 
     def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False,
                chains: Sequence[tuple[int, bytes | None]] | None = None, remote: bool = False,
-               tokens: Sequence[int] | np.ndarray | None = None) -> int:
+               tokens: Sequence[int] | np.ndarray | None = None, uses: Sequence[bytes] = ()) -> int:
         """Publish written slots under ``keys`` (immutable from now on); duplicates are deduplicated.
 
         ``keys`` are prefix chains, each key the child of the one before, except where ``chains`` says a
         chain starts: pairs ``(index into keys, the key that chain continues or None)``. None: one
         chain from ``keys[0]`` (see :meth:`put`'s ``parent``). ``tokens``: the blocks' token ids
         (``len(keys) * block_tokens``), which a daemon publishing KV events sends to routers.
+        ``uses``: cached blocks the caller skipped rather than write again (see :meth:`cached`); each
+        counts as a use, before the new blocks are published, as a deduplicated block does (one gone
+        since is ignored).
 
         ``remote=True`` writes every block through to the remote tier whatever ``remote.admission`` says
         and returns once written, for daemons on other nodes sharing it; at once when there is no remote
@@ -249,10 +268,13 @@ class Client(Connection):
         if len(keys) != len(slots):
             raise BadRequest(f"{len(keys)} keys for {len(slots)} slots")
         wire_tokens = check_tokens(tokens, len(keys), self.layout.block_tokens)
+        used = check_keys(uses)
         slots._open = False
         body = {"keys": keys, "slots": slots.offsets, "durable": durable, "tier": slots.tier, "remote": remote}
         if starts:
             body["chains"] = starts
+        if used:
+            body["uses"] = used
         if wire_tokens is not None:
             body["tokens"] = wire_tokens
         return int(self._call(Op.COMMIT, body)["new"])

@@ -142,6 +142,12 @@ class ClientIndex:
         incomplete, or kept changing during the read)."""
         return _lookup.prefix(self._mm, fingerprint, keys)
 
+    def held(self, fingerprint: bytes, keys: list[bytes]) -> list[bool] | None:
+        """Per key, whether a local tier holds it, or None when the daemon must answer."""
+        mm, prefix = self._mm, _lookup.prefix
+        found = [prefix(mm, fingerprint, (k,)) for k in keys]  # one probe each: a prefix walk stops at a miss
+        return None if -1 in found else [n == 1 for n in found]
+
     def close(self) -> None:
         try:
             self._mm.close()

@@ -155,16 +155,17 @@ class BlockStore:
         self.sessions.close(s)
 
     def alloc(self, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host",
-              timeout: float | None = None) -> list[int | None]:
-        """Slots of ``tier`` for ``n`` new blocks (None where ``keys[i]`` is already cached)."""
-        return self.store_path.alloc(s, self.ns(s), n, keys, tier, timeout)
+              timeout: float | None = None, keep: list[bytes] | None = None) -> list[int | None]:
+        """Slots of ``tier`` for ``n`` new blocks (None where ``keys[i]`` is already cached), evicting
+        none of ``keep``."""
+        return self.store_path.alloc(s, self.ns(s), n, keys, tier, timeout, keep)
 
     def commit(self, s: Session, keys: list[bytes], offsets: list[int], durable: bool = False,
                tier: str = "host", wait: bool = True, chains: dict[int, bytes | None] | None = None,
-               remote: bool = False, tokens: list[bytes] | None = None) -> int:
+               remote: bool = False, tokens: list[bytes] | None = None, uses: list[bytes] | None = None) -> int:
         """Publish written slots under ``keys`` (:meth:`StorePath.commit`); returns how many were new."""
         return self.store_path.commit(s, self.ns(s), keys, offsets, durable, tier, wait, chains, remote,
-                                      tokens if self.events is not None else None)
+                                      tokens if self.events is not None else None, uses)
 
     def sync(self, s: Session) -> None:
         """Wait for the durable writes this connection committed with ``wait=False``."""

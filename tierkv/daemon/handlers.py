@@ -85,7 +85,8 @@ class Handlers:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 <= timeout <= 3600):
             raise BadRequest(f"timeout must be seconds within 0..3600 or None, got {timeout!r}")
-        return {"slots": self.store.alloc(s, n, keys, body.get("tier", "host"), timeout)}
+        keep = validate_keys(body.get("keep", []))
+        return {"slots": self.store.alloc(s, n, keys, body.get("tier", "host"), timeout, keep=keep)}
 
     def commit(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Publish written slots under their keys."""
@@ -96,7 +97,8 @@ class Handlers:
         tokens = validate_tokens(body.get("tokens"), len(keys), self.store.ns(s).layout.block_tokens)
         return {"new": self.store.commit(s, keys, slots, bool(body.get("durable", False)), body.get("tier", "host"),
                                          _flag(body, "wait", True), validate_chains(body.get("chains"), len(keys)),
-                                         _flag(body, "remote", False), tokens)}
+                                         _flag(body, "remote", False), tokens,
+                                         uses=validate_keys(body.get("uses", [])))}
 
     def sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Wait for this connection's queued durable writes."""

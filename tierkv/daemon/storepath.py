@@ -57,10 +57,11 @@ class StorePath:
 
     # ---- alloc ------------------------------------------------------------------------------------
     def alloc(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, tier: object,
-              timeout: float | None = None) -> list[int | None]:
+              timeout: float | None = None, keep: list[bytes] | None = None) -> list[int | None]:
         """Slots for ``n`` new blocks (None where ``keys[i]`` is already cached: nothing to write); a
         full host tier drops blocks rather than wait for the disk writer, and waits at most ``timeout``
-        seconds for blocks in use."""
+        seconds for blocks in use. The host blocks of ``keep`` (cached blocks the new ones continue,
+        which the store skips) are held as leased while room is made: none of them is evicted for it."""
         if not isinstance(n, int) or n < 0:
             raise BadRequest("n must be a non-negative int")
         if keys is not None and len(keys) != n:
@@ -72,11 +73,20 @@ class StorePath:
         if n * slot > hp.limit:
             raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({hp.limit} bytes)")
         with self.ctx.lock:
-            new = n if keys is None else sum(1 for k in keys if (s.fp + k) not in self.table)
-            if hp.make_room(new * slot):
-                self.ctx.notify()
-            return self._take_slots(s, n, keys, slot, lambda: self.slots.host(slot, timeout=timeout), s.slots,
-                                    self.host.free)
+            held = [b for k in keep or () if (b := self.table.get(s.fp + k)) is not None and b.host_off is not None]
+            for b in held:
+                b.leases += 1
+            try:
+                new = n if keys is None else sum(1 for k in keys if (s.fp + k) not in self.table)
+                if hp.make_room(new * slot):
+                    self.ctx.notify()
+                return self._take_slots(s, n, keys, slot, lambda: self.slots.host(slot, timeout=timeout), s.slots,
+                                        self.host.free)
+            finally:
+                for b in held:
+                    b.leases -= 1
+                if held:
+                    self.ctx.notify()  # a request waiting for an evictable block may take one of these
 
     def _alloc_gpu(self, s: Session, ns: Namespace, n: int, keys: list[bytes] | None, slot: int) -> list[int | None]:
         path = self.gpu_path
@@ -114,36 +124,49 @@ class StorePath:
     # ---- commit -----------------------------------------------------------------------------------
     def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool, tier: object,
                wait: bool, chains: dict[int, bytes | None] | None, remote: bool,
-               tokens: list[bytes] | None) -> int:
+               tokens: list[bytes] | None, uses: list[bytes] | None = None) -> int:
         """Publish written slots of ``tier`` under ``keys``; returns how many were new (the rest
         deduplicated). ``keys`` are prefix chains, each key the child of the one before except at the
         indexes of ``chains``, where a chain continues the key given (None: starts one; default
         ``{0: None}``). ``durable`` with ``wait=False`` (host tier): return once the disk write is
         queued; :meth:`sync` waits for it (a client streams a large durable put: its next copy overlaps
         this write). ``remote``: every block is written through, admitted or not, before the return
-        (if writable). ``tokens``: each block's token ids (int32), kept for KV events when they are on."""
+        (if writable). ``tokens``: each block's token ids (int32), kept for KV events when they are on.
+        ``uses``: cached blocks the client skipped rather than write again; each still cached counts as
+        a use, as a deduplicated block does, before the new blocks are published."""
         if len(keys) != len(offsets):
             raise BadRequest("keys and slots differ in length")
         if durable and not self.disk_on:
             raise BadRequest("durable=True needs the disk tier, which is disabled")
         if self.slots.tier(tier) == "gpu":
-            return self.commit_gpu(s, ns, keys, offsets, durable, remote, tokens)
-        return self._commit_host(s, ns, keys, offsets, durable, wait, chains or {0: None}, remote, tokens)
+            return self.commit_gpu(s, ns, keys, offsets, durable, remote, tokens, uses)
+        return self._commit_host(s, ns, keys, offsets, durable, wait, chains or {0: None}, remote, tokens, uses)
+
+    def _use(self, s: Session, uses: list[bytes] | None) -> list[Block]:
+        """Count a use of each cached block of ``uses`` (one gone since is a later miss); returns the
+        blocks found. Lock held."""
+        found = [b for k in uses or () if (b := self.table.get(s.fp + k)) is not None]
+        for b in found:
+            self.hostp.touch(b)
+        return found
 
     def _commit_host(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
                      wait: bool, chains: dict[int, bytes | None], remote: bool,
-                     tokens: list[bytes] | None) -> int:
+                     tokens: list[bytes] | None, uses: list[bytes] | None) -> int:
         """Publish written host slots under ``keys``, prefix chains starting at the indexes of ``chains``."""
         fks = [s.fp + k for k in keys]
         remote = remote and self.remote_writable()
         with self.ctx.lock:
             _check_slots(offsets, s.slots, "slot")
+            used = self._use(s, uses)
             starts = {i: None if p is None else s.fp + p for i, p in chains.items()}
             new, committed = self._publish_host(s, ns, fks, offsets, starts, tokens)
             self.signals.computed(new)
-            # the producer side of PD across nodes: the prefix its blocks continue goes to the remote too
-            through = self.transfers.write_through(committed + self._ancestors(starts) if remote else new,
-                                                   every=remote)
+            # the producer side of PD across nodes: the prefix its blocks continue, and the cached blocks
+            # it skipped, go to the remote too (each block once)
+            through = self.transfers.write_through(
+                list({b.fk: b for b in committed + used + self._ancestors(starts)}.values()) if remote else new,
+                every=remote)
             self.signals.stored(fks, starts)
             durable_blocks = [b for b in committed if not b.on_disk] if durable else []
             job = self.transfers.store(durable_blocks) if durable_blocks else None
@@ -189,7 +212,7 @@ class StorePath:
         return new, committed
 
     def commit_gpu(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
-                   remote: bool = False, tokens: list[bytes] | None = None) -> int:
+                   remote: bool = False, tokens: list[bytes] | None = None, uses: list[bytes] | None = None) -> int:
         """Publish GPU slots; their copies to host memory (then disk) go on in the background."""
         path = self.gpu_path
         assert path is not None  # the caller's slots.tier checked that the GPU tier is on
@@ -200,6 +223,7 @@ class StorePath:
         remote = remote and self.remote_writable()
         with self.ctx.lock:
             _check_slots(offsets, s.gpu_slots, "GPU slot")
+            used = self._use(s, uses)
             for i, (fk, off) in enumerate(zip(fks, offsets)):
                 del s.gpu_slots[off]
                 b = self.table.get(fk)
@@ -219,7 +243,8 @@ class StorePath:
             path.drain(new)
             self.ctx.notify()
         if durable or remote:
-            self._after_drain([b for b in committed if not b.on_disk] if durable else [], committed if remote else [])
+            self._after_drain([b for b in committed if not b.on_disk] if durable else [],
+                              committed + used if remote else [])
         return len(new)
 
     def _after_drain(self, durable: list[Block], remote: list[Block]) -> None:

@@ -30,8 +30,8 @@ __all__ = ["Committed", "StoreCommitter"]
 RESERVOIR_SHARE = 1 / 16  # free slots held ahead: at most this share of the host pool
 RECENT_STEPS = 16         # the reservoir aims at the largest store of this many recent steps
 
-# A submitted commit: client, keys, slots, the copy's ready event, prefix chains, token ids.
-_Item = tuple[Client, list[bytes], Slots, Any, Sequence[tuple[int, bytes | None]] | None, Any]
+# A submitted commit: client, keys, slots, the copy's ready event, prefix chains, token ids, uses.
+_Item = tuple[Client, list[bytes], Slots, Any, Sequence[tuple[int, bytes | None]] | None, Any, Sequence[bytes]]
 
 
 @dataclass(slots=True)
@@ -65,9 +65,9 @@ class StoreCommitter:
         self._thread = threading.Thread(target=self._run, name="tierkv-commit", daemon=True)
         self._thread.start()
 
-    def slots(self, client: Client, n: int) -> Slots:
+    def slots(self, client: Client, n: int, keep: Sequence[bytes] = ()) -> Slots:
         """``n`` slots of ``client`` for this step: from the reservoir, the shortfall allocated now
-        (never waiting for room).
+        (never waiting for room, evicting none of ``keep``: cached blocks the step skips).
 
         Raises:
             TierFull: the host tier has no block to spare right now.
@@ -78,19 +78,20 @@ class StoreCommitter:
             self._recent.append(n)
             take, self._free = self._free[:n], self._free[n:]
         if len(take) < n:
-            more = client.alloc(n - len(take), timeout=0)
+            more = client.alloc(n - len(take), timeout=0, keep=keep)
             more._open = False  # handed to the caller's Slots below
             take += more.offsets
         return Slots(client, take)
 
     def submit(self, client: Client, keys: list[bytes], slots: Slots, ready: Any = None,
-               chains: Sequence[tuple[int, bytes | None]] | None = None, tokens: Any = None) -> None:
-        """Commit ``slots`` under ``keys`` (prefix chains starting at ``chains``, see
-        :meth:`Client.commit`) on the committer's thread once ``ready`` (a CUDA event, or None when the
-        copy is done) has completed."""
+               chains: Sequence[tuple[int, bytes | None]] | None = None, tokens: Any = None,
+               uses: Sequence[bytes] = ()) -> None:
+        """Commit ``slots`` under ``keys`` (prefix chains starting at ``chains``, and ``uses``, the
+        cached blocks skipped: see :meth:`Client.commit`) on the committer's thread once ``ready`` (a
+        CUDA event, or None when the copy is done) has completed."""
         with self._lock:
             self._pending += 1
-        self._queue.put((client, keys, slots, ready, chains, tokens))
+        self._queue.put((client, keys, slots, ready, chains, tokens, uses))
 
     def take(self) -> Committed:
         """The counters since the last call."""
@@ -109,11 +110,11 @@ class StoreCommitter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            client, keys, slots, ready, chains, tokens = item
+            client, keys, slots, ready, chains, tokens, uses = item
             try:
                 if ready is not None:
                     ready.synchronize()
-                new = slots.commit(keys, chains=chains, tokens=tokens)
+                new = slots.commit(keys, chains=chains, tokens=tokens, uses=uses)
                 result = Committed(stored_tokens=len(keys) * self.block_tokens, new_blocks=new)
             except TierKVError as exc:
                 log.debug("tierkv: a background commit failed: %s", exc)

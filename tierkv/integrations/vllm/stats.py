@@ -23,6 +23,8 @@ _PROM = {
     "load_errors": ("vllm:tierkv_load_errors", "Blocks that could not be loaded (vLLM recomputed them)."),
     "store_errors": ("vllm:tierkv_store_errors", "Blocks that could not be stored (daemon absent or failing)."),
     "store_skipped": ("vllm:tierkv_store_skipped", "Blocks not stored: the host tier had no room to spare at once."),
+    "store_deduplicated": ("vllm:tierkv_store_deduplicated",
+                           "Blocks not stored because tierkv held them already (not copied; counted as uses)."),
     "store_steps": ("vllm:tierkv_store_steps", "Steps whose store pass stored blocks."),
     "async_loads": ("vllm:tierkv_async_loads", "Requests whose prefix loaded beside the forward pass."),
     "async_hit_tokens": ("vllm:tierkv_async_hit_tokens", "Prompt tokens served by asynchronous loads."),
@@ -62,6 +64,7 @@ class TierKVConnectorStats(KVConnectorStats):
                 "store_ms": round(c.store_s * 1e3, 1), "store_ms_per_step": round(per_step * 1e3, 2),
                 "store_max_ms": round(c.store_max_s * 1e3, 1), "load_errors": c.load_errors,
                 "store_errors": c.store_errors, "store_skipped": c.store_skipped,
+                "store_deduplicated": c.store_deduplicated,
                 "load_mib": round(c.load_bytes / (1 << 20), 1),
                 "window_saved_mib": round(c.window_saved_bytes / (1 << 20), 1)}
 

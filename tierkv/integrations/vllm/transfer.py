@@ -2,7 +2,8 @@
 store pass after it, through tierkv's zero-copy slots.
 
 Loads lease the blocks in the daemon's shared host pool and copy them straight into vLLM's pages;
-stores gather vLLM's pages straight into freshly allocated slots and commit them. A block that is
+stores gather vLLM's pages straight into freshly allocated slots and commit them, only for the blocks
+tierkv does not hold yet (:mod:`~tierkv.integrations.vllm.missing`). A block that is
 missing, evicted or unreadable when its load runs is reported to vLLM, which recomputes it: a load
 never serves wrong data and never fails a request.
 
@@ -29,6 +30,7 @@ from tierkv.core.errors import ConnectionFailed, TierFull, TierKVError
 from tierkv.integrations.vllm.asyncload import AsyncLoads, Outcome
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.link import Link
+from tierkv.integrations.vllm.missing import Missing, missing
 from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import BlockIO
 
@@ -46,6 +48,7 @@ class Counters:
     hit_tokens: int = 0          # tokens served from tierkv into vLLM
     stored_tokens: int = 0       # tokens of blocks handed to tierkv
     new_blocks: int = 0          # of those, blocks tierkv did not hold yet
+    store_deduplicated: int = 0  # blocks not handed over: tierkv held them (not copied; a use each)
     load_s: float = 0.0          # inside steps (synchronous loads)
     store_s: float = 0.0         # inside steps
     load_errors: int = 0         # blocks vLLM recomputes
@@ -80,6 +83,7 @@ class Staged:
     chains: list[tuple[int, bytes | None]]
     tokens: np.ndarray | None
     t0: float
+    uses: list[bytes]
 
 
 class Transfers:
@@ -160,60 +164,64 @@ class Transfers:
             self.commit(staged)
 
     def stage(self, stores: Sequence[BlockIO]) -> Staged | None:
-        """Take slots for the stores' blocks (from the committer's reservoir when there is one) and gather
-        vLLM's pages into them; nothing is committed yet. None: nothing to store, or no slots (counted)."""
-        keys = [k for io in stores for k in io.keys]
-        if not keys:
+        """Take slots for the stores' blocks that tierkv does not hold (from the committer's reservoir
+        when there is one) and gather vLLM's pages into them; nothing is committed yet. None: nothing
+        to store, or no slots (counted)."""
+        total = sum(len(io.keys) for io in stores)
+        if not total:
             return None
-        ids = [b for io in stores for b in io.block_ids]
-        chains, at = [], 0  # each request's blocks continue its own chain
-        for io in stores:
-            if io.keys:
-                chains.append((at, io.parent))
-                at += len(io.keys)
-        # token ids for the daemon's KV events, when every request of the step has them
-        tokens = np.frombuffer(b"".join(io.tokens for io in stores if io.keys and io.tokens is not None),
-                               dtype="<i4") \
-            if all(io.tokens is not None for io in stores if io.keys) else None
         t0 = time.perf_counter()
         link = self.committer.link if self.committer is not None else self.link
         client = link.get()
+        todo = Missing()
         try:
             if client is None:
                 raise ConnectionFailed("daemon not reachable")
-            slots = self.committer.slots(client, len(keys)) if self.committer is not None \
-                else client.alloc(len(keys), timeout=0)
+            todo = missing(stores, client.cached)
+            slots = self._slots(client, todo)
             try:
-                self.pages.gather(ids, slots.views)
+                self.pages.gather(todo.block_ids, slots.views)
             except BaseException:
                 slots.abort()
                 raise
         except TierFull:
-            self.counters.store_skipped += len(keys)
+            self.counters.store_skipped += len(todo.keys)
+            self.counters.store_deduplicated += todo.skipped
         except TierKVError as exc:
             if client is not None:
                 link.drop(exc)
                 self._warn("a store", exc)
-            self.counters.store_errors += len(keys)
+            self.counters.store_errors += total
         else:
-            return Staged(client, slots, keys, chains, tokens, t0)
+            self.counters.store_deduplicated += todo.skipped
+            return Staged(client, slots, todo.keys, todo.chains, todo.tokens, t0, todo.uses)
         self._timed(t0)
         return None
 
+    def _slots(self, client: Client, todo: Missing) -> Slots:
+        """Slots for ``todo``'s blocks, evicting none of the cached blocks it skips."""
+        if self.committer is not None:
+            return self.committer.slots(client, len(todo.keys), keep=todo.uses)
+        if not todo.keys:
+            return Slots(client, [])
+        return client.alloc(len(todo.keys), timeout=0, keep=todo.uses)
+
     def commit(self, staged: Staged) -> None:
-        """Commit staged blocks: on the committer's thread once the copy is done, or now."""
+        """Commit staged blocks (and the uses of the cached ones skipped): on the committer's thread
+        once the copy is done, or now."""
         st, n = staged, len(staged.keys)
         if self.committer is not None:
             ready = None
-            if self.pages.device.type == "cuda":
+            if n and self.pages.device.type == "cuda":
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.pages.device))
-            self.committer.submit(st.client, st.keys, st.slots, ready, st.chains, st.tokens)
+            self.committer.submit(st.client, st.keys, st.slots, ready, st.chains, st.tokens, st.uses)
             self._timed(st.t0)
             return
         try:
-            self.pages.synchronize()
-            new = st.slots.commit(st.keys, chains=st.chains, remote=self.remote, tokens=st.tokens)
+            if n:
+                self.pages.synchronize()
+            new = st.slots.commit(st.keys, chains=st.chains, remote=self.remote, tokens=st.tokens, uses=st.uses)
         except TierKVError as exc:
             self._warn("a store", exc)
             self.link.drop(exc)
