@@ -108,3 +108,19 @@ def test_remote_is_a_bool_and_a_no_op_without_a_remote_tier(daemon_factory):
                 slots.commit(more, remote=0)
             assert slots.commit(more, remote=True) == 2  # the slots were kept
         assert torch.equal(c.get(more).view(torch.int16), rand_blocks(2, seed=8).view(torch.int16))
+
+
+def test_cached_answers_per_key_from_the_lookup_index(daemon):
+    """``cached`` says per key whether a local tier holds it, without a round trip; without the index
+    it cannot say. A commit may name cached blocks it skipped as uses, gone ones included."""
+    with daemon.client() as c, daemon.client(lookup_index=False) as plain:
+        keys = keys_for(c, 5, seed=9)
+        c.put(keys[1:2], rand_blocks(1, seed=9))
+        c.put(keys[3:5], rand_blocks(2, seed=10), parent=keys[2])
+        assert c.cached(keys) == [False, True, False, True, True] and c.cached([]) == []
+        assert plain.cached(keys) is None
+        with c.alloc(1, keep=keys[3:5]) as slots:
+            assert c.commit(keys[2:3], slots, chains=[(0, keys[1])], uses=[keys[1], b"gone"]) == 1
+        assert c.lookup(keys) == 0 and c.lookup(keys[1:]) == 4
+        with pytest.raises(BadRequest):
+            c.alloc(1, keep=[b""])
