@@ -9,14 +9,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from tests.helpers import FAST_ENV
+from tests.integrations.test_vllm_plan import BT, LAYOUT, Req, link, prefill
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import Planner
 from tierkv.integrations.vllm.transfer import Transfers
-
-from tests.helpers import FAST_ENV
-from tests.integrations.test_vllm_plan import BT, LAYOUT, Req, link, prefill
 
 NS = Namespace("vllm-plan", LAYOUT)
 SLOTS = 16  # the host tier: two slabs of eight 32 KiB blocks

@@ -78,7 +78,13 @@ class StoreCommitter:
             self._recent.append(n)
             take, self._free = self._free[:n], self._free[n:]
         if len(take) < n:
-            more = client.alloc(n - len(take), timeout=0, keep=keep)
+            try:
+                more = client.alloc(n - len(take), timeout=0, keep=keep)
+            except TierKVError:
+                with self._lock:  # the reservoir's slots stay reserved for a next step
+                    if self._owner is client:
+                        self._free = take + self._free
+                raise
             more._open = False  # handed to the caller's Slots below
             take += more.offsets
         return Slots(client, take)
