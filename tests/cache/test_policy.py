@@ -8,12 +8,11 @@ import random
 
 import pytest
 
+from tests.helpers import FakeClock
+from tests.helpers import build_policy as build
 from tierkv.cache.policy import HeapPolicy, make_policy, policy_names
 from tierkv.cache.policy.base import never
 from tierkv.cache.reuse import History
-
-from tests.helpers import FakeClock
-from tests.helpers import build_policy as build
 
 ALL = policy_names(oracles=True)
 

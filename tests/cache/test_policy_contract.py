@@ -10,10 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkv.cache.policy import Policy, policy_names
-
 from tests.helpers import FakeClock
 from tests.helpers import build_policy as build
+from tierkv.cache.policy import Policy, policy_names
 
 ALL = policy_names(oracles=True)
 

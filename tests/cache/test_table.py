@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import SMALL
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session, fetch_source, tier_of
 from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
@@ -17,8 +18,6 @@ from tierkv.core.keys import Namespace
 from tierkv.daemon.config import Config
 from tierkv.tiers.disk import stored_size
 from tierkv.tiers.host import SlabAllocator
-
-from tests.helpers import SMALL
 
 NS = Namespace("cache-test", SMALL)
 FP = NS.fingerprint

@@ -16,11 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierkv
+from tests.helpers import SMALL
 from tierkv.core import protocol
 from tierkv.core.errors import ConnectionFailed
 from tierkv.core.lookup_index import IndexedBlocks, LookupIndex, available
-
-from tests.helpers import SMALL
 
 pytestmark = pytest.mark.skipif(not available(), reason="tierkv._native._lookup did not build")
 

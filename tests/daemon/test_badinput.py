@@ -17,11 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.core import protocol
-from tierkv.core.keys import Namespace
-from tierkv.core.layout import Layout
-from tierkv.core.protocol import HEADER, Op
-
 from tests.helpers import (
     FAST_ENV,
     MAX_FRAME,
@@ -33,6 +28,10 @@ from tests.helpers import (
     quiet_sample,
     wait_for,
 )
+from tierkv.core import protocol
+from tierkv.core.keys import Namespace
+from tierkv.core.layout import Layout
+from tierkv.core.protocol import HEADER, Op
 
 
 # ---- fixtures ------------------------------------------------------------------------------------

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import tierkv
-from tierkv.core.errors import BadRequest, KeyMissing
-
 from tests.helpers import REPO, SMALL, keys_for, rand_blocks
+from tierkv.core.errors import BadRequest, KeyMissing
 
 STANDIN = ["--gpu-capacity", "8MiB", "--gpu-device", "cpu"]  # 8 MiB / 8 KiB slots: 1,024 blocks
 

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import zmq
 
+from tests.helpers import SMALL, Daemon
 from tierkv.client.events import EventIndex
 from tierkv.core.errors import BadRequest
-
-from tests.helpers import SMALL, Daemon
 
 BT = SMALL.block_tokens
 MEDIA = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}

@@ -10,11 +10,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tierkv.daemon.metrics import parse_addr
-
 from tests import redis_servers
 from tests.helpers import REPO, SMALL, keys_for, rand_blocks
 from tests.redis_servers import need_redis
+from tierkv.daemon.metrics import parse_addr
 
 redis_factory = redis_servers.redis_factory
 

@@ -18,14 +18,13 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from tests.helpers import FAST_ENV, REPO, SMALL, RawClient, _send_and_close, wait_for
 from tierkv.core import protocol
 from tierkv.core.errors import PermissionDenied, TierKVError
 from tierkv.core.keys import Namespace
 from tierkv.core.protocol import HEADER, Op
 from tierkv.daemon.config import load_config
 from tierkv.daemon.server import Server
-
-from tests.helpers import FAST_ENV, REPO, SMALL, RawClient, _send_and_close, wait_for
 
 NOBODY = 65534
 STRANGER = 65533

@@ -8,7 +8,6 @@ import time
 import torch
 
 import tierkv
-
 from tests.helpers import keys_for, rand_blocks
 
 BIG = tierkv.Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks

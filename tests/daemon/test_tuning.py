@@ -11,10 +11,9 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
+from tests.helpers import keys_for, rand_blocks
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.ops.cli import main
-
-from tests.helpers import keys_for, rand_blocks
 
 BIG = tierkv.Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks
 

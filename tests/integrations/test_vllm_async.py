@@ -12,14 +12,13 @@ import pytest
 import torch
 
 import tierkv
+from tests.helpers import wait_for
+from tests.integrations.test_vllm_plan import BT, LAYOUT, Cached, Req, Step, link, pages, prefill
 from tierkv.core.keys import Namespace
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter
 from tierkv.integrations.vllm.transfer import Transfers
-
-from tests.helpers import wait_for
-from tests.integrations.test_vllm_plan import BT, LAYOUT, Cached, Req, Step, link, pages, prefill
 
 NS = Namespace("vllm-plan", LAYOUT)
 TOKENS = list(range(3000, 3000 + 4 * BT + 3))  # 4 full blocks and a partial one

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from tests.integrations.test_vllm_plan import Cached, NewReq, Req, Step
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.integrations.vllm.grouped import GroupTransfers
@@ -18,8 +19,6 @@ from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import PlanGroup, Planner
 from tierkv.integrations.vllm.transfer import Transfers
-
-from tests.integrations.test_vllm_plan import Cached, NewReq, Req, Step
 
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
 

@@ -12,16 +12,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests import redis_servers
+from tests.helpers import REPO
+from tests.redis_servers import need_redis
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.layout import Layout
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages
 from tierkv.integrations.vllm.plan import Planner, Role, salt_root
 from tierkv.integrations.vllm.transfer import Transfers
-
-from tests import redis_servers
-from tests.helpers import REPO
-from tests.redis_servers import need_redis
 
 redis_server = redis_servers.redis_server
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from tests.integrations.test_vllm_plan import BT, LAYOUT, Cached, NewReq, Req, Step, pages, prefill
 from tierkv.core.keys import Namespace
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.plan import BlockIO, PlanGroup, Planner
 from tierkv.integrations.vllm.ranks import merge_plans
 from tierkv.integrations.vllm.transfer import Transfers
-
-from tests.integrations.test_vllm_plan import BT, LAYOUT, Cached, NewReq, Req, Step, pages, prefill
 
 TP = 2
 MODEL = "vllm-tp"

@@ -12,15 +12,14 @@ import torch
 
 import tierkv
 import tierkv.movers.remote as remote_mover
+from tests import redis_servers
+from tests.redis_servers import need_redis
 from tierkv.codecs import encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
 from tierkv.movers.transfer import Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.remote import RemoteTier, remote_key
-
-from tests import redis_servers
-from tests.redis_servers import need_redis
 
 redis_server = redis_servers.redis_server
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import SMALL
 from tierkv.cache.block import Session
 from tierkv.codecs import decode_block
 from tierkv.core.errors import TierFull
@@ -19,8 +20,6 @@ from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
 from tierkv.movers.transfer import VERIFY, Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
-
-from tests.helpers import SMALL
 
 LAYOUT = Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks
 BIG = Layout(2, 4, 64, 256, "bfloat16")    # 512 KiB blocks

@@ -13,11 +13,10 @@ import time
 import pytest
 from click.testing import CliRunner, Result
 
+from tests.helpers import REPO, SMALL, keys_for, rand_blocks
 from tierkv.client.admin import request
 from tierkv.ops.cli import main
 from tierkv.ops.plot import series
-
-from tests.helpers import REPO, SMALL, keys_for, rand_blocks
 
 
 def tierkv(*args: str, check: bool = True) -> Result:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from tests.helpers import REPO
 from tierkv.cache.policy import policy_class, policy_names
 from tierkv.daemon.config import Config
-
-from tests.helpers import REPO
 
 DOCS = [REPO / "README.md", REPO / "docs" / "design.md", REPO / "docs" / "benchmarks.md"]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.helpers import SMALL
 from tierkv.cache.block import Block
 from tierkv.cache.placement import DiskPlacement, HostPlacement
 from tierkv.cache.reuse import History
@@ -34,8 +35,6 @@ from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace
 from tierkv.sim.simulator import Simulator
 from tierkv.tiers.disk import stored_size
 from tierkv.tiers.host import SlabAllocator, slot_size_for
-
-from tests.helpers import SMALL
 
 BT = SMALL.block_tokens
 BLOCK = SMALL.block_bytes

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
+from tests.helpers import PAGE, REPO, SMALL, RawClient, keys_for, line, rand_blocks, wait_for
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -20,8 +21,6 @@ from tierkv.core.protocol import Op
 from tierkv.daemon.config import Config
 from tierkv.ops.replay_cli import replay as replay_cmd
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace, replay
-
-from tests.helpers import PAGE, REPO, SMALL, RawClient, keys_for, line, rand_blocks, wait_for
 
 MIB_LAYOUT = tierkv.Layout(8, 8, 128, 32, "bfloat16")  # 1 MiB blocks
 

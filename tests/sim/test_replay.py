@@ -9,6 +9,7 @@ import random
 import pytest
 from click.testing import CliRunner
 
+from tests.helpers import PAGE, line
 from tierkv.core.units import parse_size
 from tierkv.ops.replay_cli import replay as replay_cmd
 from tierkv.sim.replay import (
@@ -25,8 +26,6 @@ from tierkv.sim.replay import (
     replay,
     sweep,
 )
-
-from tests.helpers import PAGE, line
 
 # Hand-computed LRU run, host capacity 3 pages (1,536 B):
 #   r0 [1,2] 1024 tok: miss both                         cache 1,2     (LRU order)

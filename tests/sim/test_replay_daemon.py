@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.helpers import FAST_ENV, SMALL
 from tierkv.client.slots import Slots
 from tierkv.integrations.vllm.missing import missing
 from tierkv.integrations.vllm.plan import BlockIO
@@ -21,8 +22,6 @@ from tierkv.ops.replay_cli import daemon_config, tiers_for
 from tierkv.sim.chat_trace import ChatTraceSpec, generate
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace
 from tierkv.sim.simulator import Simulator
-
-from tests.helpers import FAST_ENV, SMALL
 
 BT = SMALL.block_tokens  # one trace block is one daemon block (8 KiB)
 SLAB = 256 << 10

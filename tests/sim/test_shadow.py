@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from tests.helpers import line
 from tierkv.cache.policy import make_policy
 from tierkv.cache.policy.shadow import key_hash
 from tierkv.cache.reuse import History, ReuseModel
@@ -15,8 +16,6 @@ from tierkv.daemon.startup import make_disk_policy, make_host_policy
 from tierkv.ops.replay_cli import daemon_config, tiers_for
 from tierkv.sim.replay import ReplayConfig, TierSpec, Workload, parse_trace
 from tierkv.sim.simulator import Simulator
-
-from tests.helpers import line
 
 
 class Clock:

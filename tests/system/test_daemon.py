@@ -18,13 +18,12 @@ import torch
 
 import tierkv
 import tierkv.client.durable
+from tests.helpers import SMALL, RawClient, keys_for, rand_blocks, wait_for
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest, KeyMissing, ProtocolError, TierKVError
 from tierkv.core.protocol import Op
 from tierkv.daemon.config import load_config
 from tierkv.daemon.server import Server
-
-from tests.helpers import SMALL, RawClient, keys_for, rand_blocks, wait_for
 
 
 def test_round_trip_host(daemon):

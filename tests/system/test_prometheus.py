@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 
 from tests import redis_servers
+from tests.daemon.test_metrics import free_port
 from tests.helpers import REPO, keys_for, rand_blocks
 from tests.redis_servers import need_redis
-from tests.daemon.test_metrics import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 redis_server = redis_servers.redis_server

@@ -24,6 +24,7 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
+from tests.helpers import FAST_ENV, SMALL, RawClient, block_values, quiet_sample, wait_for
 from tierkv.client.admin import request
 from tierkv.codecs import CodecError, decode_block, encode_block
 from tierkv.codecs.container import _FIXED, _HASH, MAGIC
@@ -32,8 +33,6 @@ from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.core.protocol import Op
 from tierkv.ops import admin_cli
-
-from tests.helpers import FAST_ENV, SMALL, RawClient, block_values, quiet_sample, wait_for
 
 BIG = Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks: fills disks and maps quickly
 KILL_LOOPS = 20

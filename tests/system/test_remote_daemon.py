@@ -9,11 +9,10 @@ import time
 import torch
 from click.testing import CliRunner
 
-from tierkv.ops.cli import main
-
 from tests import redis_servers
 from tests.helpers import keys_for, rand_blocks
 from tests.redis_servers import need_redis
+from tierkv.ops.cli import main
 
 redis_server = redis_servers.redis_server
 redis_cluster = redis_servers.redis_cluster

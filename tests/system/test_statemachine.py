@@ -30,12 +30,11 @@ from hypothesis.stateful import (
 )
 
 import tierkv
+from tests.helpers import FAST_ENV, Daemon, wait_for
 from tierkv.client.admin import request
 from tierkv.core.errors import BadRequest, KeyMissing
 from tierkv.core.layout import Layout
 from tierkv.core.protocol import Op
-
-from tests.helpers import FAST_ENV, Daemon, wait_for
 
 LAYOUT = Layout(4, 4, 64, 16, "bfloat16")  # 64 KiB blocks; the host tier holds 16
 UNIVERSE = 48  # keys per example: three times what the host tier holds

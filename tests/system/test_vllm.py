@@ -21,12 +21,11 @@ import pytest
 from _demo_model import MODEL_ID, ensure_converted
 from _vllm_server import VllmServer, connector_config
 
+from tests.helpers import Daemon, wait_for
 from tierkv.codecs import read_header
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.layout import Layout
 from tierkv.integrations.vllm.plan import salt_root
-
-from tests.helpers import Daemon, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(900)]
 

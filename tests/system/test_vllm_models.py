@@ -21,7 +21,6 @@ import torch
 from _vllm_server import VllmServer
 
 import tierkv
-
 from tests import tiny_models
 from tests.helpers import Daemon
 

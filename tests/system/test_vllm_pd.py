@@ -22,10 +22,9 @@ import pytest
 from _demo_model import ensure_converted
 from _vllm_server import VllmServer, connector_config, free_port
 
-from tierkv.client.events import EventIndex
-
 from tests.helpers import Daemon
 from tests.redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer
+from tierkv.client.events import EventIndex
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.redis, pytest.mark.timeout(1500),
               pytest.mark.skipif(not (REDIS_SERVER and REDIS_CLI), reason="redis-server not on PATH "

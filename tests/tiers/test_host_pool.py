@@ -77,7 +77,6 @@ def test_small_host_tier_serves(daemon_factory, capacity):
     import torch
 
     import tierkv
-
     from tests.helpers import keys_for, rand_blocks
 
     layout = tierkv.Layout(num_layers=8, num_kv_heads=4, head_dim=64, block_tokens=16, dtype="bfloat16")

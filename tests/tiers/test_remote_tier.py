@@ -12,12 +12,6 @@ import redis
 import torch
 
 import tierkv
-from tierkv.codecs import encode_block
-from tierkv.core.errors import BadRequest
-from tierkv.core.keys import Namespace
-from tierkv.movers.remote import RemoteMover
-from tierkv.tiers.remote import RemoteConfig, RemoteTier, remote_key
-
 from tests import redis_servers
 from tests.redis_servers import (
     ACL_PASSWORD,
@@ -30,6 +24,11 @@ from tests.redis_servers import (
     need_redis,
     need_valkey,
 )
+from tierkv.codecs import encode_block
+from tierkv.core.errors import BadRequest
+from tierkv.core.keys import Namespace
+from tierkv.movers.remote import RemoteMover
+from tierkv.tiers.remote import RemoteConfig, RemoteTier, remote_key
 
 # The servers' fixtures, made visible to pytest in this module.
 redis_server = redis_servers.redis_server

@@ -8,11 +8,10 @@ import sys
 import pytest
 
 import tierkv
+from tests.helpers import REPO
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import MAX_KEY_BYTES, Namespace
 from tierkv.tiers.remote import RemoteConfig, parse_remote_url, redact_url, remote_key
-
-from tests.helpers import REPO
 
 FP = Namespace("url-model", tierkv.Layout(2, 2, 32, 16, "bfloat16")).fingerprint
 
