@@ -15,7 +15,7 @@ import tierkv.movers.remote as remote_mover
 from tierkv.codecs import encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
-from tierkv.movers.transfer import Move, TransferEngine
+from tierkv.movers.engine import Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.remote import RemoteTier, remote_key
 

@@ -17,7 +17,7 @@ from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
-from tierkv.movers.transfer import VERIFY, Move, TransferEngine
+from tierkv.movers.engine import VERIFY, Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
 
 from tests.helpers import SMALL

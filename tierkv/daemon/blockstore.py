@@ -35,7 +35,7 @@ from tierkv.daemon.startup import make_admission, make_disk_policy, make_host_po
 from tierkv.daemon.storepath import StorePath
 from tierkv.daemon.tier_jobs import TierJobs
 from tierkv.daemon.tuning import Tuner
-from tierkv.movers.transfer import TransferEngine
+from tierkv.movers.engine import TransferEngine
 from tierkv.tiers.disk import stored_size
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from tierkv.cache.table import BlockTable
 from tierkv.daemon.context import Context
 from tierkv.daemon.gpupath import GpuPath
 from tierkv.daemon.tier_jobs import TierJobs
-from tierkv.movers.transfer import Job, TransferEngine
+from tierkv.movers.engine import Job, TransferEngine
 
 log = logging.getLogger("tierkv.table")
 

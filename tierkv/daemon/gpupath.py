@@ -17,9 +17,9 @@ from tierkv.daemon.context import Context
 from tierkv.daemon.settle import completion, settle
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.tier_jobs import TierJobs, ready_after
+from tierkv.movers.engine import TransferEngine
 from tierkv.movers.jobs import Job
 from tierkv.movers.streams import Copy
-from tierkv.movers.transfer import TransferEngine
 from tierkv.tiers.host import HostPool, slot_size_for
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from tierkv.cache.counters import TierCounters
 from tierkv.cache.placement import DiskPlacement, HostPlacement
 from tierkv.cache.table import BlockTable
 from tierkv.daemon.config import Config
-from tierkv.movers.transfer import TransferEngine
+from tierkv.movers.engine import TransferEngine
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostPool
 

@@ -16,7 +16,7 @@ from tierkv.daemon.context import Context
 from tierkv.daemon.events import KvEvents
 from tierkv.daemon.startup import Tiers
 from tierkv.daemon.stats import tier_snapshot
-from tierkv.movers.transfer import TransferEngine
+from tierkv.movers.engine import TransferEngine
 
 
 class Snapshots:

@@ -20,7 +20,7 @@ from tierkv.daemon.gpupath import GpuPath
 from tierkv.daemon.signals import Signals
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.tier_jobs import TierJobs
-from tierkv.movers.transfer import Job
+from tierkv.movers.engine import Job
 from tierkv.tiers.host import HostPool, SlabAllocator, slot_size_for
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from tierkv.core.errors import TierFull
 from tierkv.core.keys import Namespace
 from tierkv.daemon.parts import TransferParts
 from tierkv.daemon.settle import completion, moves, settle
+from tierkv.movers.engine import VERIFY, Job, Move
 from tierkv.movers.jobs import failed_job
-from tierkv.movers.transfer import VERIFY, Job, Move
 
 log = logging.getLogger("tierkv.table")
 TO_DISK = ("host", "disk")
