@@ -40,6 +40,6 @@ def scan_disk(st: ScrubParts) -> None:
     bad = [lk for lk in bad if not _record(st, lk, header_of(disk, lk))]
     if bad:
         disk.delete(bad)
-        st.diskp.stats.corrupt += len(bad)
+        st.diskp.corrupt_dropped(len(bad))
     log.info("disk tier: %d blocks (%d dropped as corrupt) scanned in %.2fs", len(st.table), len(bad),
              time.perf_counter() - t0)

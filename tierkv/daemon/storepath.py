@@ -172,9 +172,7 @@ class StorePath:
             if b is None:
                 b = table.add(Block(fk, ns.layout.block_bytes, host_off=off, parent=parent,
                                     tokens=tokens[i] if tokens else None))
-                hp.inserted(b, parent)
-                hp.policy.on_access(fk)  # a store is a use (insert alone is not counted)
-                hp.stats.bytes_in += b.nbytes
+                hp.committed(b, parent)
                 new.append(b)
             elif b.host_off is None and b.loading is None:
                 if tokens and b.tokens is None:
@@ -206,8 +204,7 @@ class StorePath:
                 if b is None:
                     b = self.table.add(Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True,
                                              tokens=tokens[i] if tokens else None))
-                    gpup.inserted(b)
-                    gpup.stats.bytes_in += b.nbytes
+                    gpup.committed(b)
                     new.append(b)
                 elif b.gpu_off is None and b.gpu_loading is None:
                     b.gpu_off = off  # cached in a colder tier: keep the fresh device copy hot

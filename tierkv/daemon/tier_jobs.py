@@ -45,7 +45,7 @@ class TierJobs:
         try:
             deletes, reserved = st.diskp.room_for_write(blocks)
         except TierFull as exc:
-            st.diskp.stats.errors += 1
+            st.diskp.write_refused()
             return failed_job(TO_DISK, self._moves(blocks), exc)
         for b in blocks:
             b.writing += 1
@@ -91,7 +91,7 @@ class TierJobs:
                             st.diskp.removed(b)
                         if b.host_off is None and b.gpu_off is None:
                             st.diskp.forget(b)
-                st.diskp.stats.corrupt += len(keys)
+                st.diskp.corrupt_dropped(len(keys))
                 delete = st.engine.submit(TO_DISK, [], deletes=keys)
             delete.wait()
             if delete.error is not None:
@@ -124,7 +124,7 @@ class TierJobs:
             b.writing -= 1
             self._inflight.pop(b.fk, None)
             if m.ok:
-                st.remote_stats.bytes_in += b.nbytes
+                st.remote_stats.stored(b.nbytes)
             else:
                 b.on_remote = False
 
