@@ -79,7 +79,7 @@ class FetchPath:
         return n
 
     # ---- fetch ------------------------------------------------------------------------------------
-    def fetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object) -> int:
+    def fetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object = "host") -> int:
         """Start leasing the cached prefix of ``keys`` in ``tier`` memory; returns a ticket for
         :meth:`wait`. Never blocks on the disk; GPU slots are promoted in the background."""
         self.signals.requested(s, keys)
@@ -198,6 +198,12 @@ class FetchPath:
             if not loads:
                 return
         self.transfers.load_remote(loads)
+
+    def acquire(self, s: Session, ns: Namespace, keys: list[bytes], tier: object = "host"
+                ) -> tuple[int, list[int], list[str]]:
+        """Lease the longest cached prefix in host (or GPU) memory, waiting for its promotions:
+        :meth:`fetch`, then :meth:`wait` without a timeout."""
+        return self.wait(s, self.fetch(s, ns, keys, tier), None)
 
     # ---- wait -------------------------------------------------------------------------------------
     def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:

@@ -41,8 +41,7 @@ class Retention:
         """
         if not isinstance(priority, int) or not 1 <= priority <= 100:
             raise BadRequest("priority must be an int in 1..100")
-        fp = self.fetch
-        lease_id, _offs, _tiers = fp.wait(s, fp.fetch(s, namespace(s), keys, "host"), None)
+        lease_id, _offs, _tiers = self.fetch.acquire(s, namespace(s), keys)
 
         def slot_bytes(b: Block) -> int:
             assert b.host_off is not None  # a host lease: every block is in a host slot
