@@ -11,13 +11,14 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import SMALL
 from tierkv.cache.block import Session
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
 from tierkv.daemon.sessions import namespace
+
+from tests.helpers import SMALL
 
 NS = Namespace("table-test", SMALL)
 BLOCK = SMALL.block_bytes

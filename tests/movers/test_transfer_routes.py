@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import SMALL
 from tierkv.cache.block import Session
 from tierkv.codecs import decode_block
 from tierkv.core.errors import TierFull
@@ -21,6 +20,8 @@ from tierkv.daemon.config import Config
 from tierkv.daemon.sessions import namespace
 from tierkv.movers.engine import VERIFY, Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
+
+from tests.helpers import SMALL
 
 LAYOUT = Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks
 BIG = Layout(2, 4, 64, 256, "bfloat16")    # 512 KiB blocks
