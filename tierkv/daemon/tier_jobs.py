@@ -42,8 +42,13 @@ class TierJobs:
     def __init__(self, ctx: Context, table: BlockTable, host: HostPool, hostp: HostPlacement, diskp: DiskPlacement,
                  engine: TransferEngine, cost: CostModel, disk: DiskTier | None, remote: RemoteTier | None,
                  remote_counters: TierCounters, written: Callable[[], None]) -> None:
-        """Args: ``remote_counters`` are the remote tier's figures (it has no placement); ``written`` runs
-        after every disk write settled, outside the lock (it wakes the evictor, which may wait on it)."""
+        """The objects the jobs start on and settle through.
+
+        Args:
+            remote_counters: the remote tier's figures (it has no placement).
+            written: runs after every disk write settled, outside the lock (it wakes the evictor, which
+                may wait on the write).
+        """
         self.ctx, self.table, self.host, self.hostp, self.diskp = ctx, table, host, hostp, diskp
         self.engine, self.cost, self.disk, self.remote = engine, cost, disk, remote
         self.remote_counters, self.written = remote_counters, written
