@@ -115,7 +115,7 @@ def lmdb_ref(tmp: Path, reps: int) -> dict:
     off) of incompressible 2 MiB values into a
     preallocated file, with the daemon's allocator tunables: the ceiling of any LMDB-backed tier on this
     disk. Also its CPU seconds per GB written (the writer's share of the cores)."""
-    from tierkv.daemon.allocator import TUNABLES
+    from tierkv.daemon.malloc import TUNABLES
 
     d = tmp / "lmdb-ref"
     d.mkdir()
