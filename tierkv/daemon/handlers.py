@@ -119,7 +119,7 @@ class Handlers:
     def lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """How much of a prefix is cached (and, with ``tiers``, where)."""
         keys = validate_keys(body.get("keys"))
-        namespace(s)
+        namespace(s)  # a BadRequest before HELLO
         if not body.get("tiers"):
             return {"count": self.store.fetch_path.lookup_count(s, keys)}
         tiers = self.store.fetch_path.lookup(s.fp, keys)
@@ -198,7 +198,7 @@ class Handlers:
             raise BadRequest("scores must be numbers") from None
         if not all(math.isfinite(x) and x >= 0 for x in scores):
             raise BadRequest("scores must be finite numbers >= 0")  # checked before any block is touched
-        namespace(s)
+        namespace(s)  # a BadRequest before HELLO
         return {"touched": self.store.signals.touch(s, keys, scores)}
 
     def stats(self, conn: socket.socket, s: Session, body: dict) -> dict:
