@@ -22,7 +22,7 @@ from tierkv.core.errors import ConnectionFailed
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.core.protocol import Op
-from tierkv.daemon.allocator import TUNABLES
+from tierkv.daemon.malloc import TUNABLES
 
 REPO = Path(__file__).resolve().parents[1]
 

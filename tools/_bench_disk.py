@@ -23,7 +23,7 @@ from _bench_common import GB, LLAMA, N, best_median
 from _benchd import Daemon
 
 import tierkv
-from tierkv.movers.transfer import LOAD_THREADS
+from tierkv.movers.engine import LOAD_THREADS
 
 _DD_RATE = re.compile(r"copied, ([0-9.]+) s")
 
@@ -115,7 +115,7 @@ def lmdb_ref(tmp: Path, reps: int) -> dict:
     off) of incompressible 2 MiB values into a
     preallocated file, with the daemon's allocator tunables: the ceiling of any LMDB-backed tier on this
     disk. Also its CPU seconds per GB written (the writer's share of the cores)."""
-    from tierkv.daemon.allocator import TUNABLES
+    from tierkv.daemon.malloc import TUNABLES
 
     d = tmp / "lmdb-ref"
     d.mkdir()
@@ -332,7 +332,7 @@ def value_reads(mdb: Path, fks: list[bytes], threads: int) -> float:
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    from tierkv.tiers.disk.pages import META, PAGE, PAGE_HDR, PageMap
+    from tierkv.tiers.disk.pagemap import META, PAGE, PAGE_HDR, PageMap
 
     with open(mdb, "rb") as f:
         head = f.read(2 * PAGE)

@@ -47,7 +47,7 @@ from _bench_lookup import lookup_bench  # noqa: E402
 from _benchd import Daemon  # noqa: E402
 
 import tierkv  # noqa: E402
-from tierkv.movers.transfer import LOAD_THREADS  # noqa: E402
+from tierkv.movers.engine import LOAD_THREADS  # noqa: E402
 
 
 def memcpy_ref(reps: int) -> dict:

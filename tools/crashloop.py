@@ -39,7 +39,7 @@ import torch
 import tierkv
 from tierkv.client.admin import request
 from tierkv.core.errors import ConnectionFailed, KeyMissing, TierKVError
-from tierkv.daemon.allocator import TUNABLES
+from tierkv.daemon.malloc import TUNABLES
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = tierkv.Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks

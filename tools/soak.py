@@ -218,7 +218,7 @@ def slope_per_hour(samples: list[dict], key: str) -> float:
 def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
     from tierkv.client.admin import request
     from tierkv.core.errors import ConnectionFailed
-    from tierkv.daemon.allocator import TUNABLES
+    from tierkv.daemon.malloc import TUNABLES
 
     sockdir = work / "run"
     sockdir.mkdir(mode=0o700)

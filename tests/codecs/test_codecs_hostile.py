@@ -229,7 +229,7 @@ def test_all_codecs_reject_the_same_hostile_input():
 @pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
 def test_lossy_decoders_survive_arbitrary_sections(codec):
     """Sections that pass the checksum but hold anything (a forger who recomputed xxh3) never crash a decoder."""
-    from tierkv.codecs.block import _digest
+    from tierkv.codecs.encoding import _digest
     from tierkv.codecs.registry import get_codec
 
     c = get_codec(codec)

@@ -17,6 +17,7 @@ from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
+from tierkv.daemon.sessions import namespace
 
 NS = Namespace("table-test", SMALL)
 BLOCK = SMALL.block_bytes
@@ -41,6 +42,17 @@ def _config(tmp_path, gpu: bool = False, **host) -> Config:
     return cfg
 
 
+def _alloc(t: BlockStore, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host") -> list:
+    """ALLOC as its handler makes it: slots of ``tier`` for ``n`` new blocks."""
+    return t.store_path.alloc(s, namespace(s), n, keys, tier)
+
+
+def _commit(t: BlockStore, s: Session, keys: list[bytes], offs: list, durable: bool = False,
+            tier: str = "host") -> int:
+    """COMMIT as its handler makes it (waiting for durable writes; no chains, remote copy or tokens)."""
+    return t.store_path.commit(s, namespace(s), keys, offs, durable, tier, True, None, False, None)
+
+
 @pytest.fixture
 def make_table(tmp_path):
     made: list[BlockStore] = []
@@ -54,13 +66,13 @@ def make_table(tmp_path):
 
     yield make
     for t in made:
-        if not t.closing:  # a test may have closed it already (a restart)
+        if not t.ctx.closing:  # a test may have closed it already (a restart)
             t.close(5.0)
 
 
 def _session(t: BlockStore, sid: int = 1) -> Session:
     s = Session(sid)
-    t.register(s, NS)
+    t.sessions.register(s, NS)
     return s
 
 
@@ -70,24 +82,24 @@ def _keys(n: int, start: int = 0) -> list[bytes]:
 
 def _put(t: BlockStore, s: Session, keys: list[bytes], seed: int = 0, durable: bool = False) -> list[bytes]:
     """Store one block per key through alloc/commit; returns each block's bytes."""
-    offs = t.alloc(s, len(keys), keys)
+    offs = _alloc(t, s, len(keys), keys)
     data = [_fill(t.host.view(off, BLOCK), seed + i) for i, off in enumerate(offs)]
-    t.commit(s, keys, offs, durable=durable)
+    _commit(t, s, keys, offs, durable=durable)
     return data
 
 
 def _get(t: BlockStore, s: Session, keys: list[bytes], tier: str = "host") -> tuple[list[bytes], list[str]]:
     """Lease ``keys``, read their bytes and release; returns (bytes, source tiers)."""
-    lease, offs, tiers = t.acquire(s, keys, tier)
+    lease, offs, tiers = t.fetch_path.acquire(s, namespace(s), keys, tier)
     pool = t.gpu if tier == "gpu" else t.host
     got = [bytes(pool.view(off, BLOCK).numpy() if tier == "gpu" else pool.view(off, BLOCK)) for off in offs]
-    t.release(s, [lease])
+    t.sessions.release(s, [lease])
     return got, tiers
 
 
 def _fill_gpu(t: BlockStore, s: Session, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
     """GPU slots for ``keys``, each filled with its seeded bytes (not committed); returns (slots, bytes)."""
-    offs = t.alloc(s, len(keys), keys, "gpu")
+    offs = _alloc(t, s, len(keys), keys, "gpu")
     return offs, [_fill(t.gpu.view(off, BLOCK), i) for i, off in enumerate(offs)]
 
 
@@ -127,14 +139,14 @@ def test_fetch_names_the_gpu_for_a_block_still_draining_from_it(make_table):
     keys = _keys(2)
     held = _HeldCopies(t)
     offs, data = _fill_gpu(t, s, keys)
-    assert t.commit(s, keys, offs, tier="gpu") == 2
+    assert _commit(t, s, keys, offs, tier="gpu") == 2
     assert all(t.table.get(s.fp + k).draining for k in keys)
-    ticket = t.fetch(s, keys)
+    ticket = t.fetch_path.fetch(s, namespace(s), keys)
     held.run()
-    lease, slots, tiers = t.wait(s, ticket, 10.0)
+    lease, slots, tiers = t.fetch_path.wait(s, ticket, 10.0)
     assert tiers == ["gpu", "gpu"], "a draining block is served from the GPU, not the disk"
     assert [t.host.view(off, BLOCK).tobytes() for off in slots] == data
-    t.release(s, [lease])
+    t.sessions.release(s, [lease])
 
 
 def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_table):
@@ -143,12 +155,12 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
     t.gpu_path.retry_drains = lambda: None  # only the lease may drain the blocks
     fill = _keys(t.host.capacity // BLOCK, start=1000)
     _put(t, s, fill)
-    held, _, _ = t.acquire(s, fill)  # every host slot leased: the drain below finds none
+    held, _, _ = t.fetch_path.acquire(s, namespace(s), fill)  # every host slot leased: the drain below finds none
     keys = _keys(4)
     offs, data = _fill_gpu(t, s, keys)
-    assert t.commit(s, keys, offs, tier="gpu") == 4
+    assert _commit(t, s, keys, offs, tier="gpu") == 4
     assert all(t.table.get(s.fp + k).draining and t.table.get(s.fp + k).host_off is None for k in keys)
-    t.release(s, [held])
+    t.sessions.release(s, [held])
     got, tiers = _get(t, s, keys)
     assert tiers == ["gpu"] * 4, "the lease copies the waiting blocks down instead of ending the prefix"
     assert got == data
@@ -169,17 +181,17 @@ def test_a_gpu_slot_waits_for_drains_up_to_slot_wait_s_and_wakes_when_they_end(m
     held = _HeldCopies(t)
     keys = _keys(t.gpu.capacity // BLOCK)
     offs, _data = _fill_gpu(t, s, keys)
-    t.commit(s, keys, offs, tier="gpu")  # every GPU slot is the only copy of a block until its drain ends
-    t.cfg.server.slot_wait_s = 0.3
+    _commit(t, s, keys, offs, tier="gpu")  # every GPU slot is the only copy of a block until its drain ends
+    t.ctx.cfg.server.slot_wait_s = 0.3
     t0 = time.monotonic()
     with pytest.raises(TierFull):
-        t.alloc(s, 1, tier="gpu")
+        _alloc(t, s, 1, tier="gpu")
     assert 0.3 <= time.monotonic() - t0 < 5.0, "the wait ends at server.slot_wait_s"
-    t.cfg.server.slot_wait_s = 60.0
+    t.ctx.cfg.server.slot_wait_s = 60.0
     drains = threading.Timer(0.3, held.run)
     drains.start()
     t0 = time.monotonic()
-    assert t.alloc(s, 1, tier="gpu") != [None]
+    assert _alloc(t, s, 1, tier="gpu") != [None]
     assert time.monotonic() - t0 < 10.0, "a drain's completion wakes the waiting request"
     drains.join()
 
@@ -192,13 +204,13 @@ def test_a_slot_wait_ends_when_the_store_closes(make_table):
     _HeldCopies(t)  # the drains never finish
     keys = _keys(t.gpu.capacity // BLOCK)
     offs, _data = _fill_gpu(t, s, keys)
-    t.commit(s, keys, offs, tier="gpu")
-    t.cfg.server.slot_wait_s = 60.0
+    _commit(t, s, keys, offs, tier="gpu")
+    t.ctx.cfg.server.slot_wait_s = 60.0
     raised: list[BaseException] = []
 
     def alloc() -> None:
         try:
-            t.alloc(s, 1, tier="gpu")
+            _alloc(t, s, 1, tier="gpu")
         except TierFull as exc:
             raised.append(exc)
 
@@ -214,11 +226,11 @@ def test_a_slot_wait_ends_when_the_store_closes(make_table):
 
 def test_a_host_slot_waits_for_the_writer_and_never_drops_a_block_it_can_write(make_table):
     t = make_table(capacity=1 << 20)
-    t.cfg.server.slot_wait_s = 60.0
+    t.ctx.cfg.server.slot_wait_s = 60.0
     s = _session(t)
     _put(t, s, _keys(t.host.capacity // BLOCK))  # dirty: each worth writing before it may leave
     t0 = time.monotonic()
-    assert t.alloc(s, 1) != [None]
+    assert _alloc(t, s, 1) != [None]
     assert time.monotonic() - t0 < 10.0, "the write's completion wakes the waiting request"
     assert t.hostp.stats.dropped_unwritten == 0
 
@@ -230,11 +242,11 @@ def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     pol = t.diskp.policy
     assert pol.reuse is None
     for mode, weighted in (("predicted", True), ("all", False), ("predicted", True)):
-        new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, admission=mode))
-        t.apply(new, {"disk.admission"})
+        new = dataclasses.replace(t.ctx.cfg, disk=dataclasses.replace(t.ctx.cfg.disk, admission=mode))
+        t.tuner.apply(new, {"disk.admission"})
         assert t.diskp.policy is pol and (pol.reuse is not None) == weighted
-    new = dataclasses.replace(t.cfg, policy={**t.cfg.policy, "beta": 0.7})
-    t.apply(new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
+    new = dataclasses.replace(t.ctx.cfg, policy={**t.ctx.cfg.policy, "beta": 0.7})
+    t.tuner.apply(new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
     assert pol.settings()["beta"] == 0.7 and pol.reuse is not None
     rule = t.admission  # make its two models disagree: a return past the eviction model's shorter list
     rule.update(ghost_entries=100, evict_horizon=0.5)
@@ -255,11 +267,11 @@ def test_disk_policy_ages_by_idle_time_and_tune_changes_it(make_table):
 
     t = make_table()
     pol = t.diskp.policy
-    assert pol.settings()["idle_aging"] == t.cfg.disk.idle_aging == 0.5 and pol.tau > 0
+    assert pol.settings()["idle_aging"] == t.ctx.cfg.disk.idle_aging == 0.5 and pol.tau > 0
     assert t.hostp.policy.settings()["idle_aging"] == 0.0  # the host keeps the GDSF aging clock
     for scale in (1.5, 0.0):
-        new = dataclasses.replace(t.cfg, disk=dataclasses.replace(t.cfg.disk, idle_aging=scale))
-        t.apply(new, {"disk.idle_aging"})
+        new = dataclasses.replace(t.ctx.cfg, disk=dataclasses.replace(t.ctx.cfg.disk, idle_aging=scale))
+        t.tuner.apply(new, {"disk.idle_aging"})
         assert t.diskp.policy is pol and pol.settings()["idle_aging"] == scale
     assert pol.tau == 0.0
 
@@ -269,13 +281,13 @@ def test_store_lookup_and_dedup(make_table):
     s = _session(t)
     keys = _keys(3)
     data = _put(t, s, keys)
-    assert t.lookup(s, keys) == ["host"] * 3
-    assert t.lookup(s, [keys[0], keys[1], b"missing", keys[2]]) == ["host", "host"]
-    assert t.lookup_count(s, keys + [b"missing"]) == 3
+    assert t.fetch_path.lookup(s.fp, keys) == ["host"] * 3
+    assert t.fetch_path.lookup(s.fp, [keys[0], keys[1], b"missing", keys[2]]) == ["host", "host"]
+    assert t.fetch_path.lookup_count(s, keys + [b"missing"]) == 3
     used = t.host.used_bytes
-    assert t.alloc(s, 3, keys) == [None, None, None], "cached keys get no slot"
-    offs = t.alloc(s, 3)
-    assert t.commit(s, keys, offs) == 0, "the same keys again are deduplicated"
+    assert _alloc(t, s, 3, keys) == [None, None, None], "cached keys get no slot"
+    offs = _alloc(t, s, 3)
+    assert _commit(t, s, keys, offs) == 0, "the same keys again are deduplicated"
     assert t.host.used_bytes == used, "deduplicated slots go back to the pool"
     assert _get(t, s, keys) == (data, ["host"] * 3)
 
@@ -283,11 +295,11 @@ def test_store_lookup_and_dedup(make_table):
 def test_namespaces_are_apart_and_forgotten_when_empty(make_table):
     t = make_table()
     a, b = _session(t, 1), Session(2)
-    t.register(b, Namespace("other-model", SMALL))
+    t.sessions.register(b, Namespace("other-model", SMALL))
     _put(t, a, _keys(2))
-    assert t.lookup(b, _keys(2)) == [], "another namespace never sees these blocks"
+    assert t.fetch_path.lookup(b.fp, _keys(2)) == [], "another namespace never sees these blocks"
     assert len(t.table.namespaces) == 2
-    t.close_session(b)
+    t.sessions.close(b)
     assert list(t.table.namespaces) == [a.fp], "a namespace with no block and no connection is forgotten"
 
 
@@ -297,16 +309,16 @@ def test_leases_pin_blocks_against_eviction_and_evicted_blocks_come_back_from_di
     per = t.host.capacity // BLOCK
     first = _keys(per)
     data = _put(t, s, first, durable=True)  # on disk too: clean, so a new store may evict them
-    lease, offs, _ = t.acquire(s, first[:8])
+    lease, offs, _ = t.fetch_path.acquire(s, namespace(s), first[:8])
     _put(t, s, _keys(per // 2, start=per), seed=1000)
     records = [t.table.get(s.fp + k) for k in first]
     assert all(b.host_off is not None for b in records[:8]), "leased blocks stay in host memory"
     assert [bytes(t.host.view(off, BLOCK)) for off in offs] == data[:8]
     evicted = [i for i, b in enumerate(records) if b.host_off is None]
     assert len(evicted) >= per // 2 and all(records[i].on_disk for i in evicted)
-    t.release(s, [lease])
+    t.sessions.release(s, [lease])
     i = evicted[0]
-    assert t.lookup(s, [first[i]]) == ["disk"]
+    assert t.fetch_path.lookup(s.fp, [first[i]]) == ["disk"]
     assert _get(t, s, [first[i]]) == ([data[i]], ["disk"])
     assert t.hostp.stats.evictions >= per // 2 and t.diskp.stats.hits == 1
 
@@ -317,11 +329,11 @@ def test_a_full_host_tier_of_leased_blocks_is_tier_full(make_table):
     per = t.host.capacity // BLOCK
     keys = _keys(per)
     _put(t, s, keys, durable=True)
-    lease, _offs, _tiers = t.acquire(s, keys)
+    lease, _offs, _tiers = t.fetch_path.acquire(s, namespace(s), keys)
     with pytest.raises(TierFull):
-        t.alloc(s, 1)
-    t.release(s, [lease])
-    assert t.alloc(s, 1) != [None], "released blocks are evictable again"
+        _alloc(t, s, 1)
+    t.sessions.release(s, [lease])
+    assert _alloc(t, s, 1) != [None], "released blocks are evictable again"
 
 
 def test_records_survive_a_restart_from_disk(make_table, tmp_path):
@@ -333,7 +345,7 @@ def test_records_survive_a_restart_from_disk(make_table, tmp_path):
     t.close(5.0)
     t2 = make_table(d=d)
     s2 = _session(t2)
-    assert t2.lookup(s2, keys) == ["disk"] * 4
+    assert t2.fetch_path.lookup(s2.fp, keys) == ["disk"] * 4
     assert _get(t2, s2, keys) == (data, ["disk"] * 4)
 
 
@@ -343,16 +355,16 @@ def test_gpu_commit_drains_to_host_and_stays_busy_until_then(make_table):
     keys = _keys(3)
     held = _HeldCopies(t)
     offs, data = _fill_gpu(t, s, keys)
-    t.commit(s, keys, offs, tier="gpu")
+    _commit(t, s, keys, offs, tier="gpu")
     b = t.table.get(s.fp + keys[0])
     assert b.draining and b.gpu_protected and b.host_off is not None and b.loading is not None
-    assert t.lookup(s, keys) == ["gpu"] * 3
-    assert t.delete(s, keys) == 0, "a block whose only copy is on the GPU is never deleted"
+    assert t.fetch_path.lookup(s.fp, keys) == ["gpu"] * 3
+    assert t.retention.delete(s, keys) == 0, "a block whose only copy is on the GPU is never deleted"
     held.run()
     assert not b.draining and b.host_ready
     assert [bytes(t.host.view(t.table.get(s.fp + k).host_off, BLOCK)) for k in keys] == data
     assert t.gpup.stats.demotions == 3
-    assert t.delete(s, keys) == 3 and t.lookup(s, keys) == []
+    assert t.retention.delete(s, keys) == 3 and t.fetch_path.lookup(s.fp, keys) == []
 
 
 def test_gpu_fetch_promotes_host_blocks(make_table):
@@ -361,7 +373,7 @@ def test_gpu_fetch_promotes_host_blocks(make_table):
     keys = _keys(2)
     data = _put(t, s, keys)
     assert _get(t, s, keys, "gpu") == (data, ["host", "host"])
-    assert t.lookup(s, keys) == ["gpu", "gpu"]
+    assert t.fetch_path.lookup(s.fp, keys) == ["gpu", "gpu"]
     assert t.gpup.stats.promotions == 2
 
 
@@ -369,27 +381,27 @@ def test_misuse_is_a_bad_request_and_changes_nothing(make_table):
     t = make_table()
     s = Session(1)
     with pytest.raises(BadRequest, match="HELLO"):
-        t.alloc(s, 1)
-    t.register(s, NS)
+        _alloc(t, s, 1)
+    t.sessions.register(s, NS)
     with pytest.raises(BadRequest, match="another namespace"):
-        t.register(s, Namespace("other-model", SMALL))
+        t.sessions.register(s, Namespace("other-model", SMALL))
     with pytest.raises(BadRequest, match="not allocated"):
-        t.commit(s, _keys(1), [0])
+        _commit(t, s, _keys(1), [0])
     with pytest.raises(BadRequest, match="disagree"):
-        t.alloc(s, 2, _keys(1))
+        _alloc(t, s, 2, _keys(1))
     with pytest.raises(BadRequest, match="GPU tier is off"):
-        t.alloc(s, 1, tier="gpu")
+        _alloc(t, s, 1, tier="gpu")
     with pytest.raises(BadRequest, match="tier must be"):
-        t.fetch(s, _keys(1), tier="disk")
+        t.fetch_path.fetch(s, namespace(s), _keys(1), tier="disk")
     with pytest.raises(BadRequest, match="ticket"):
-        t.wait(s, 99, 0)
+        t.fetch_path.wait(s, 99, 0)
     _put(t, s, _keys(1))
-    lease, _offs, _tiers = t.acquire(s, _keys(1))
+    lease, _offs, _tiers = t.fetch_path.acquire(s, namespace(s), _keys(1))
     with pytest.raises(BadRequest, match="twice"):
-        t.release(s, [lease, lease])
-    t.release(s, [lease])
+        t.sessions.release(s, [lease, lease])
+    t.sessions.release(s, [lease])
     with pytest.raises(BadRequest, match="not held"):
-        t.release(s, [lease])
+        t.sessions.release(s, [lease])
     assert t.table.get(s.fp + _keys(1)[0]).leases == 0
 
 
@@ -399,10 +411,10 @@ def test_closing_a_connection_frees_its_slots_and_leases(make_table):
     keys = _keys(2)
     _put(t, s, keys)
     used = t.host.used_bytes
-    t.alloc(s, 4)
-    t.acquire(s, keys)
-    t.fetch(s, keys)
-    t.close_session(s)
+    _alloc(t, s, 4)
+    t.fetch_path.acquire(s, namespace(s), keys)
+    t.fetch_path.fetch(s, namespace(s), keys)
+    t.sessions.close(s)
     assert t.host.used_bytes == used
     assert all(t.table.get(s.fp + k).leases == 0 for k in keys)
 
@@ -412,6 +424,6 @@ def test_window_demotes_the_middle_with_the_least_attention(make_table):
     s = _session(t)
     keys = _keys(6)
     _put(t, s, keys)
-    t.touch(s, keys, [1.0, 0.1, 5.0, 0.2, 1.0, 1.0])
-    assert t.window(s, keys, budget=4, sinks=1, recent=2) == 2
-    assert t.lookup(s, keys) == ["host", "disk", "host", "disk", "host", "host"]
+    t.signals.touch(s, keys, [1.0, 0.1, 5.0, 0.2, 1.0, 1.0])
+    assert t.retention.window(s, keys, budget=4, sinks=1, recent=2) == 2
+    assert t.fetch_path.lookup(s.fp, keys) == ["host", "disk", "host", "disk", "host", "host"]

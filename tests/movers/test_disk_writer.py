@@ -15,7 +15,7 @@ import tierkv.client.durable
 from tierkv.client.durable import durable_chunks as _durable_chunks
 from tierkv.codecs import decode_block
 from tierkv.core.layout import Layout
-from tierkv.movers.transfer import Job, Move, TransferEngine
+from tierkv.movers.engine import Job, Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
 
 LAYOUT = Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks

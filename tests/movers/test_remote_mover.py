@@ -17,7 +17,7 @@ from tests.redis_servers import need_redis
 from tierkv.codecs import encode_block
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
-from tierkv.movers.transfer import Move, TransferEngine
+from tierkv.movers.engine import Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.remote import RemoteTier, remote_key
 

@@ -18,7 +18,8 @@ from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
-from tierkv.movers.transfer import VERIFY, Move, TransferEngine
+from tierkv.daemon.sessions import namespace
+from tierkv.movers.engine import VERIFY, Move, TransferEngine
 from tierkv.tiers.disk import DiskTier
 
 LAYOUT = Layout(2, 2, 32, 16, "bfloat16")  # 8 KiB blocks
@@ -159,22 +160,22 @@ def test_the_store_chooses_the_deletes_its_disk_writes_carry(tmp_path: Path) -> 
     st.engine.submit = record  # type: ignore[method-assign]
     try:
         s = Session(1)
-        st.register(s, Namespace("routes", SMALL))
+        st.sessions.register(s, Namespace("routes", SMALL))
         rng = np.random.default_rng(7)
         for i in range(8):
             keys = [b"%08d" % (i * 8 + j) for j in range(8)]
-            offs = st.alloc(s, 8, keys)
+            offs = st.store_path.alloc(s, namespace(s), 8, keys, "host")
             for off in offs:
                 st.host.view(off, SMALL.block_bytes)[:] = rng.integers(0, 255, SMALL.block_bytes, dtype=np.uint8)
-            st.commit(s, keys, offs, durable=True)
+            st.store_path.commit(s, namespace(s), keys, offs, True, "host", True, None, False, None)
         deletes = [k for route, d in submitted if route == TO_DISK for k in d]
         assert deletes, "the disk filled up, yet no store job carried deletes"
-        with st.lock:
+        with st.ctx.lock:
             assert not any(st.table.get(fk) is not None and st.table.get(fk).on_disk for fk in deletes)
             assert st.diskp.reserved == 0 and st.diskp.used <= cfg.disk.high_watermark * cfg.disk.capacity
             on_disk = {b.fk for b in st.table.records() if b.on_disk}
         assert st.disk is not None and _stored(st.disk) == on_disk
-        assert st.verify() == {"checked": len(on_disk), "bad": [], "dropped": 0}
+        assert st.transfers.verify() == {"checked": len(on_disk), "bad": [], "dropped": 0}
         assert (VERIFY, []) in submitted  # the store's verify is a mover job
     finally:
         st.close(5.0)

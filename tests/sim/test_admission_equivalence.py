@@ -107,7 +107,7 @@ class DaemonDecisions:
         fks = [FP + p.to_bytes(8, "little") for p in pages]
         now = time.monotonic()
         predicted = self.cfg.disk.admission == "predicted"
-        self.host_reuse.requested(fks, now)  # BlockStore._requested: the request names its chain
+        self.host_reuse.requested(fks, now)  # Signals.requested: the request names its chain
         if predicted:
             self.admission.requested(fks, now)
         host_hits = disk_hits = 0

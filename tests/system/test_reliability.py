@@ -259,7 +259,7 @@ def test_dead_clients_release_everything_1000_cycles(daemon_factory):
 
 _ALLOC_CHURN = r"""
 import random, sys, threading
-from tierkv.daemon.allocator import malloc_trim
+from tierkv.daemon.malloc import malloc_trim
 
 def anon_kb():
     for line in open("/proc/self/status"):
@@ -293,7 +293,7 @@ def test_daemon_allocator_gives_freed_memory_back():
     daemon calls every ``MALLOC_TRIM_S`` seconds: one arena (``arena_max=1``), whose top and holes
     malloc_trim releases; a thread arena's top it cannot release, and with 8 x cores arenas that
     retention grew the soak's RSS (docs/design.md, Daemon lifecycle and memory)."""
-    from tierkv.daemon.allocator import MALLOC_TRIM_S, TUNABLES
+    from tierkv.daemon.malloc import MALLOC_TRIM_S, TUNABLES
 
     assert "glibc.malloc.arena_max=1" in TUNABLES and 0 < MALLOC_TRIM_S <= 30
     out = subprocess.run([sys.executable, "-c", _ALLOC_CHURN], env=dict(os.environ, GLIBC_TUNABLES=TUNABLES),

@@ -1,4 +1,7 @@
-"""Monotonic counters of one tier, kept by the placement decisions and read by the stats snapshot."""
+"""Monotonic counters of one tier, kept by the placement decisions and read by the stats snapshot.
+
+Each counter changes through a named method of :class:`TierCounters`, called by the placement that owns
+the tier (or, for the remote tier, which has no placement, by the jobs that move its blocks)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,31 @@ class TierCounters:
     bytes_stored: int = 0
     dropped_unwritten: int = 0
     prefetches: int = 0
+
+    def hit(self, nbytes: int = 0) -> None:
+        """A block was served from this tier (``nbytes`` read out of it, where the tier counts them)."""
+        self.hits += 1
+        self.bytes_out += nbytes
+
+    def miss(self, n: int = 1) -> None:
+        """``n`` blocks asked of this tier were not there (or did not arrive)."""
+        self.misses += n
+
+    def stored(self, nbytes: int) -> None:
+        """A block of ``nbytes`` came into this tier."""
+        self.bytes_in += nbytes
+
+    def prefetched(self, n: int) -> None:
+        """``n`` loads into this tier started ahead of their requests."""
+        self.prefetches += n
+
+    def corrupt_dropped(self, n: int) -> None:
+        """``n`` stored values were bad and are dropped."""
+        self.corrupt += n
+
+    def failed(self, n: int = 1) -> None:
+        """``n`` operations on this tier failed."""
+        self.errors += n
 
     def as_dict(self) -> dict[str, int]:
         """Plain dict of every counter."""

@@ -112,6 +112,14 @@ class DiskPlacement:
         self.reserved -= reserved
         self.stats.errors += failed
 
+    def write_refused(self) -> None:
+        """A write found the disk full with nothing to drop: it fails at once."""
+        self.stats.failed()
+
+    def corrupt_dropped(self, n: int) -> None:
+        """``n`` stored values were found bad (a scan or ``verify``) and are deleted."""
+        self.stats.corrupt_dropped(n)
+
     def read_failed(self, error: str) -> bool:
         """Count a value that did not load; True when the value is bad (delete it), not the disk."""
         if error.startswith("io"):

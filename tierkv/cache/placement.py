@@ -107,17 +107,39 @@ class HostPlacement:
         elif b.gpu_off is None:
             self.disk.forget(b)
 
+    def committed(self, b: Block, parent: bytes | None) -> None:
+        """A store published ``b``, new, in its host slot (after ``parent``): a use, and bytes in."""
+        self.inserted(b, parent)
+        self.policy.on_access(b.fk)  # a store is a use (insert alone is not counted)
+        self.stats.stored(b.nbytes)
+
+    def received(self, b: Block) -> None:
+        """A copy from the device filled ``b``'s host slot."""
+        self.inserted(b)
+        self.stats.stored(b.nbytes)
+
+    def served(self, b: Block) -> None:
+        """``b`` is leased to a client from its host slot: a hit, its bytes read out of the tier."""
+        self.stats.hit(b.nbytes)
+
+    def missed(self) -> None:
+        """A block a fetch asked for was not in host memory."""
+        self.stats.miss()
+
+    def prefetching(self, n: int) -> None:
+        """``n`` loads into host slots started ahead of their requests."""
+        self.stats.prefetched(n)
+
     def loaded(self, b: Block, source: TierCounters, promotion: bool = False) -> None:
         """A load filled ``b``'s host slot: a hit of ``source`` (a promotion, if it counts as one)."""
         self.inserted(b)
-        source.hits += 1
-        source.bytes_out += b.nbytes
+        source.hit(b.nbytes)
         self.stats.promotions += promotion
 
     def load_failed(self, b: Block, source: TierCounters) -> None:
         """A load into ``b``'s host slot failed: a miss of ``source``; the block is dropped everywhere."""
         self.free_failed(b)
-        source.misses += 1
+        source.miss()
         self.disk.forget(b)
 
     def free_failed(self, b: Block) -> None:
@@ -134,6 +156,16 @@ class HostPlacement:
             self.policy.on_access(b.fk)
         if b.on_disk:
             self.disk.policy.on_access(b.fk)
+
+    def pinned(self, b: Block) -> None:
+        """``b``, in its host slot, became pinned: its slot counts against ``host.max_pinned_fraction``."""
+        assert b.host_off is not None
+        self.pinned_bytes += self.pool.slot_size_at(b.host_off)
+
+    def unpinned(self, b: Block) -> None:
+        """``b`` is pinned no more (its slot, if it holds one, stops counting as pinned)."""
+        if b.host_off is not None:
+            self.pinned_bytes -= self.pool.slot_size_at(b.host_off)
 
     # ---- protection -------------------------------------------------------------------------------
     def protected(self, fk: bytes) -> bool:
@@ -267,13 +299,28 @@ class GpuPlacement:
         assert b.gpu_off is not None
         self.policy.on_insert(b.fk, self.pool.slot_size_at(b.gpu_off), None)
 
+    def committed(self, b: Block) -> None:
+        """A store published ``b``, new, in its device slot: bytes in."""
+        self.inserted(b)
+        self.stats.stored(b.nbytes)
+
+    def served(self, b: Block) -> None:
+        """A fetch found ``b`` in its device slot: a hit and a use."""
+        self.stats.hit()
+        self.policy.on_access(b.fk)
+        b.hits += 1
+
+    def missed(self) -> None:
+        """A block a fetch asked for was not on the device."""
+        self.stats.miss()
+
     def promoted(self, b: Block, ok: bool) -> None:
         """A copy into ``b``'s device slot finished; a failed one (its source never arrived) frees it."""
         assert b.gpu_off is not None  # set when the promotion started
         if ok:
             self.inserted(b)
             self.stats.promotions += 1
-            self.stats.bytes_in += b.nbytes
+            self.stats.stored(b.nbytes)
         else:
             self.pool.free(b.gpu_off)
             b.gpu_off = None
@@ -283,12 +330,11 @@ class GpuPlacement:
         device copy is still the only one (drain it again)."""
         if ok:
             b.draining = False
-            host.inserted(b)
-            host.stats.bytes_in += b.nbytes
+            host.received(b)
             self.stats.demotions += 1
             return False
         host.free_failed(b)
-        self.stats.errors += 1
+        self.stats.failed()
         return b.draining
 
     def drop(self, b: Block) -> None:

@@ -13,8 +13,8 @@ codec and old blocks stay readable.
 
 from __future__ import annotations
 
-from tierkv.codecs.block import decode_block, encode_block
 from tierkv.codecs.container import BlockHeader, CodecError, Section
+from tierkv.codecs.encoding import decode_block, encode_block
 from tierkv.codecs.header import read_header
 from tierkv.codecs.registry import available_codecs, get_codec
 

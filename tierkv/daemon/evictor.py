@@ -13,7 +13,7 @@ from tierkv.cache.table import BlockTable
 from tierkv.daemon.context import Context
 from tierkv.daemon.gpupath import GpuPath
 from tierkv.daemon.tier_jobs import TierJobs
-from tierkv.movers.transfer import Job, TransferEngine
+from tierkv.movers.engine import Job, TransferEngine
 
 log = logging.getLogger("tierkv.table")
 
@@ -26,7 +26,9 @@ class Evictor:
     """Runs when kicked (a store filled the tier, a write finished) and every half second."""
 
     def __init__(self, ctx: Context, table: BlockTable, hostp: HostPlacement, transfers: TierJobs,
-                 engine: TransferEngine, disk_on: bool) -> None:
+                 engine: TransferEngine, disk_on: bool, wakeup: threading.Event) -> None:
+        """``wakeup`` runs the evictor soon when set: by :meth:`kick`, and by every disk write that
+        settles (demotion and write-behind wait on them)."""
         self.ctx = ctx
         self.table = table
         self.hostp = hostp
@@ -34,7 +36,7 @@ class Evictor:
         self.engine = engine
         self.disk_on = disk_on
         self.drains: GpuPath | None = None  # the GPU path, when the GPU tier is on
-        self._kick = threading.Event()
+        self._kick = wakeup
         self._force = False
         self._wb_job: Job | None = None  # the write-behind batch in flight
         self._thread = threading.Thread(target=self._loop, name="tierkv-evictor", daemon=True)
@@ -46,10 +48,6 @@ class Evictor:
     def kick(self, force: bool = False) -> None:
         """Run soon; ``force``: demote at least a slab even below the high watermark."""
         self._force = force or self._force
-        self._kick.set()
-
-    def wake(self) -> None:
-        """Run soon (a transfer it may wait on finished)."""
         self._kick.set()
 
     def stop(self) -> None:

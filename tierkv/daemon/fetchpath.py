@@ -79,7 +79,7 @@ class FetchPath:
         return n
 
     # ---- fetch ------------------------------------------------------------------------------------
-    def fetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object) -> int:
+    def fetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object = "host") -> int:
         """Start leasing the cached prefix of ``keys`` in ``tier`` memory; returns a ticket for
         :meth:`wait`. Never blocks on the disk; GPU slots are promoted in the background."""
         self.signals.requested(s, keys)
@@ -101,7 +101,7 @@ class FetchPath:
             for k in keys:
                 b = self.table.get(s.fp + k)
                 if b is None:
-                    self.hostp.stats.misses += 1
+                    self.hostp.missed()
                     break
                 source = self._lease_source(b, slot, loads)
                 if source is None:
@@ -124,8 +124,7 @@ class FetchPath:
         None: it cannot be leased at this point (the prefix ends). Lock held."""
         hp = self.hostp
         if b.host_off is not None:
-            hp.stats.hits += 1
-            hp.stats.bytes_out += b.nbytes  # leased to the client: read from the host tier
+            hp.served(b)
             return fetch_source(b)
         if b.on_disk:
             off = self._slot_for(b, slot)
@@ -134,7 +133,7 @@ class FetchPath:
             b.host_off = off
             self.transfers.start_loads([b])
             loads.append(b)
-            hp.stats.misses += 1
+            hp.missed()
             return "disk"
         if b.gpu_off is not None and b.gpu_loading is None:
             # only on the GPU: its host copy was dropped unwritten, or its drain found no host slot and
@@ -145,7 +144,7 @@ class FetchPath:
             b.host_off = off
             assert self.gpu_path is not None  # b holds a GPU slot: the GPU tier is on
             self.gpu_path.copy_to_host([b])
-            hp.stats.misses += 1
+            hp.missed()
             return "gpu"
         return None
 
@@ -199,6 +198,12 @@ class FetchPath:
             if not loads:
                 return
         self.transfers.load_remote(loads)
+
+    def acquire(self, s: Session, ns: Namespace, keys: list[bytes], tier: object = "host"
+                ) -> tuple[int, list[int], list[str]]:
+        """Lease the longest cached prefix in host (or GPU) memory, waiting for its promotions:
+        :meth:`fetch`, then :meth:`wait` without a timeout."""
+        return self.wait(s, self.fetch(s, ns, keys, tier), None)
 
     # ---- wait -------------------------------------------------------------------------------------
     def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
@@ -264,7 +269,7 @@ class FetchPath:
                     self._warm[b.fk] = (b, b.hits)
                     room -= 1
             if loads:
-                self.hostp.stats.prefetches += len(loads)
+                self.hostp.prefetching(len(loads))
                 self.transfers.load(ns, loads)
         return len(loads)
 

@@ -17,9 +17,9 @@ from tierkv.daemon.context import Context
 from tierkv.daemon.settle import completion, settle
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.tier_jobs import TierJobs, ready_after
+from tierkv.movers.engine import TransferEngine
 from tierkv.movers.jobs import Job
 from tierkv.movers.streams import Copy
-from tierkv.movers.transfer import TransferEngine
 from tierkv.tiers.host import HostPool, slot_size_for
 
 if TYPE_CHECKING:
@@ -110,12 +110,10 @@ class GpuPath:
             for k in keys:
                 b = self.table.get(s.fp + k)
                 if b is None:
-                    self.gpup.stats.misses += 1
+                    self.gpup.missed()
                     break
                 if b.gpu_off is not None:
-                    self.gpup.stats.hits += 1
-                    self.gpup.policy.on_access(b.fk)
-                    b.hits += 1
+                    self.gpup.served(b)
                     if lease:
                         b.gpu_leases += 1
                         leased.append(b)
@@ -128,7 +126,7 @@ class GpuPath:
                     goff = self.slots.gpu(slot, wait=False)
                 except TierFull:
                     break  # no room on the GPU: the prefix so far is what the client gets
-                self.gpup.stats.misses += 1
+                self.gpup.missed()
                 self.hostp.touch(b)
                 b.gpu_off, b.gpu_loading = goff, threading.Event()
                 b.leases += 1  # the host slot is the copy's source: keep it until the copy is done

@@ -1,5 +1,6 @@
 """Request handlers: one method per opcode, named after it. Each checks its request body, calls the
-block store and returns the reply body (or :data:`SENT` when it replied itself)."""
+object of the block store that owns the request (a path, the sessions, retention, tuning, ...) and
+returns the reply body (or :data:`SENT` when it replied itself)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tierkv.core.keys import Namespace
 from tierkv.core.protocol import Op
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
+from tierkv.daemon.sessions import namespace
 
 SENT = object()  # a handler's result when it sent its reply itself (HELLO passes file descriptors)
 
@@ -59,7 +61,7 @@ class Handlers:
             ns = Namespace.from_dict(body.get("namespace") or {})
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        self.store.register(s, ns)
+        self.store.sessions.register(s, ns)
         pool = self.store.host
         body = {"fingerprint": ns.fingerprint, "pool_bytes": pool.capacity, "session": s.id, "pid": os.getpid()}
         fds = [pool.fd]
@@ -86,7 +88,8 @@ class Handlers:
                                     or not 0 <= timeout <= 3600):
             raise BadRequest(f"timeout must be seconds within 0..3600 or None, got {timeout!r}")
         keep = validate_keys(body.get("keep", []))
-        return {"slots": self.store.alloc(s, n, keys, body.get("tier", "host"), timeout, keep=keep)}
+        return {"slots": self.store.store_path.alloc(s, namespace(s), n, keys, body.get("tier", "host"), timeout,
+                                                     keep)}
 
     def commit(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Publish written slots under their keys."""
@@ -94,15 +97,17 @@ class Handlers:
         slots = body.get("slots")
         if not isinstance(slots, list):
             raise BadRequest("slots must be a list")
-        tokens = validate_tokens(body.get("tokens"), len(keys), self.store.ns(s).layout.block_tokens)
-        return {"new": self.store.commit(s, keys, slots, bool(body.get("durable", False)), body.get("tier", "host"),
-                                         _flag(body, "wait", True), validate_chains(body.get("chains"), len(keys)),
-                                         _flag(body, "remote", False), tokens,
-                                         uses=validate_keys(body.get("uses", [])))}
+        st, ns = self.store, namespace(s)
+        tokens = validate_tokens(body.get("tokens"), len(keys), ns.layout.block_tokens)
+        return {"new": st.store_path.commit(s, ns, keys, slots, bool(body.get("durable", False)),
+                                            body.get("tier", "host"), _flag(body, "wait", True),
+                                            validate_chains(body.get("chains"), len(keys)), _flag(body, "remote", False),
+                                            tokens if st.events is not None else None,
+                                            validate_keys(body.get("uses", [])))}
 
     def sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Wait for this connection's queued durable writes."""
-        self.store.sync(s)
+        self.store.store_path.sync(s)
         return {}
 
     def abort(self, conn: socket.socket, s: Session, body: dict) -> dict:
@@ -110,25 +115,29 @@ class Handlers:
         slots = body.get("slots")
         if not isinstance(slots, list) or not all(type(x) is int for x in slots):
             raise BadRequest("slots must be a list of ints")
-        self.store.abort(s, slots, body.get("tier", "host"))
+        st = self.store
+        st.store_path.abort(s, slots, st.slots.tier(body.get("tier", "host")) == "gpu")
         return {}
 
     def lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """How much of a prefix is cached (and, with ``tiers``, where)."""
         keys = validate_keys(body.get("keys"))
+        namespace(s)  # a BadRequest before HELLO
         if not body.get("tiers"):
-            return {"count": self.store.lookup_count(s, keys)}
-        tiers = self.store.lookup(s, keys)
+            return {"count": self.store.fetch_path.lookup_count(s, keys)}
+        tiers = self.store.fetch_path.lookup(s.fp, keys)
         return {"count": len(tiers), "tiers": tiers}
 
     def acquire(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Lease the cached prefix, waiting for promotions."""
-        lease, slots, tiers = self.store.acquire(s, validate_keys(body.get("keys")), body.get("tier", "host"))
+        keys = validate_keys(body.get("keys"))
+        lease, slots, tiers = self.store.fetch_path.acquire(s, namespace(s), keys, body.get("tier", "host"))
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
     def fetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Start leasing the cached prefix; a ticket for WAIT."""
-        return {"ticket": self.store.fetch(s, validate_keys(body.get("keys")), body.get("tier", "host"))}
+        keys = validate_keys(body.get("keys"))
+        return {"ticket": self.store.fetch_path.fetch(s, namespace(s), keys, body.get("tier", "host"))}
 
     def wait(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Turn a ticket into a lease on what arrived within the timeout."""
@@ -138,16 +147,18 @@ class Handlers:
         ticket = body.get("ticket")
         if not isinstance(ticket, int):
             raise BadRequest(f"ticket {ticket!r} is not pending on this connection")
-        lease, slots, tiers = self.store.wait(s, ticket, timeout)
+        lease, slots, tiers = self.store.fetch_path.wait(s, ticket, timeout)
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
     def prefetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Warm the cached prefix in the background."""
-        return {"started": self.store.prefetch(s, validate_keys(body.get("keys")), body.get("tier", "host"))}
+        keys = validate_keys(body.get("keys"))
+        return {"started": self.store.fetch_path.prefetch(s, namespace(s), keys, body.get("tier", "host"))}
 
     def plan(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Where the cached prefix is and how much is worth fetching."""
-        return self.store.plan(s, validate_keys(body.get("keys")))
+        keys = validate_keys(body.get("keys"))
+        return self.store.fetch_path.plan(s, namespace(s), keys)
 
     def recompute(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """A measured recompute speed for the cost model."""
@@ -162,12 +173,12 @@ class Handlers:
         leases = body.get("leases")
         if not isinstance(leases, list) or not all(isinstance(x, int) for x in leases):
             raise BadRequest("leases must be a list of ints")
-        self.store.release(s, leases)
+        self.store.sessions.release(s, leases)
         return {}
 
     def delete(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Drop blocks from every tier."""
-        return {"deleted": self.store.delete(s, validate_keys(body.get("keys")))}
+        return {"deleted": self.store.retention.delete(s, validate_keys(body.get("keys")))}
 
     def request_finished(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """The engine finished a request: a chain its next turn may extend (``output_tokens``: how
@@ -176,7 +187,7 @@ class Handlers:
         out = body.get("output_tokens")
         if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 0):
             raise BadRequest(f"output_tokens must be an int >= 0 or absent, got {out!r}")
-        return {"cached": self.store.request_finished(s, keys, out)}
+        return {"cached": self.store.signals.request_finished(s, keys, out)}
 
     def touch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Attention mass per block for the policies."""
@@ -190,7 +201,8 @@ class Handlers:
             raise BadRequest("scores must be numbers") from None
         if not all(math.isfinite(x) and x >= 0 for x in scores):
             raise BadRequest("scores must be finite numbers >= 0")  # checked before any block is touched
-        return {"touched": self.store.touch(s, keys, scores)}
+        namespace(s)  # a BadRequest before HELLO
+        return {"touched": self.store.signals.touch(s, keys, scores)}
 
     def stats(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """The stats snapshot, or with ``samples`` the sample ring."""
@@ -200,12 +212,12 @@ class Handlers:
 
     def health(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """ok or degraded, with the reason."""
-        reason = self.store.health()
+        reason = self.store.snapshots.health()
         return {"status": "degraded" if reason else "ok", "reason": reason}
 
     def verify(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Decode every disk value; optionally drop the bad ones."""
-        return self.store.verify(bool(body.get("drop", False)))
+        return self.store.transfers.verify(bool(body.get("drop", False)))
 
     def config(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """The effective settings and where each came from (the password masked)."""
@@ -227,7 +239,7 @@ class Handlers:
                 tuning.check_restart_only(key)
                 new.set(key, value, "tune")
             new.validate()
-            self.store.apply(new, set(settings))
+            self.store.tuner.apply(new, set(settings))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         self.srv.cfg = new
@@ -237,18 +249,19 @@ class Handlers:
 
     def pin(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Keep a prefix in host memory until unpinned."""
-        return {"pinned": self.store.pin_prefix(s, validate_keys(body.get("keys")), body.get("priority", 80))}
+        keys = validate_keys(body.get("keys"))
+        return {"pinned": self.store.retention.pin_prefix(s, keys, body.get("priority", 80))}
 
     def unpin(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Make pinned blocks evictable again."""
-        return {"unpinned": self.store.unpin(s, validate_keys(body.get("keys")))}
+        return {"unpinned": self.store.retention.unpin(s, validate_keys(body.get("keys")))}
 
     def window(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Fit a live sequence into a host budget; the rest goes to disk."""
         budget, sinks, recent = (body.get(k) for k in ("budget", "sinks", "recent"))
         if not (isinstance(budget, int) and isinstance(sinks, int) and isinstance(recent, int)):
             raise BadRequest("budget, sinks and recent must be ints")
-        return {"demoted": self.store.window(s, validate_keys(body.get("keys")), budget, sinks, recent)}
+        return {"demoted": self.store.retention.window(s, validate_keys(body.get("keys")), budget, sinks, recent)}
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

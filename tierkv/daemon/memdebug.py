@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from tierkv.daemon.allocator import TRIM_STATS
+from tierkv.daemon.malloc import TRIM_STATS
 
 
 class _MallInfo2(ctypes.Structure):

@@ -259,7 +259,7 @@ def _lookup(server: Any, query: dict[str, list[str]]) -> tuple[int, dict]:
         store = server.store
         if store is None:
             return 503, {"error": "the daemon is starting"}
-        return 200, store.lookup_tokens(model, int(rank), tokens)
+        return 200, store.fetch_path.lookup_tokens(model, int(rank), tokens)
     except (ValueError, TierKVError) as exc:
         return 400, {"error": str(exc)}
 

@@ -41,8 +41,7 @@ class Retention:
         """
         if not isinstance(priority, int) or not 1 <= priority <= 100:
             raise BadRequest("priority must be an int in 1..100")
-        fp = self.fetch
-        lease_id, _offs, _tiers = fp.wait(s, fp.fetch(s, namespace(s), keys, "host"), None)
+        lease_id, _offs, _tiers = self.fetch.acquire(s, namespace(s), keys)
 
         def slot_bytes(b: Block) -> int:
             assert b.host_off is not None  # a host lease: every block is in a host slot
@@ -57,7 +56,7 @@ class Retention:
                                f"({cfg.host.max_pinned_fraction:.0%} of the host tier)")
             for b in lease.blocks:
                 if b.pin == 0:
-                    hp.pinned_bytes += slot_bytes(b)
+                    hp.pinned(b)
                 b.pin = max(b.pin, priority)
             self._release(s, lease_id)
             return len(lease.blocks)
@@ -75,8 +74,7 @@ class Retention:
                 b = self.table.get(s.fp + k)
                 if b is not None and b.pin:
                     b.pin = 0
-                    if b.host_off is not None:
-                        self.hostp.pinned_bytes -= self.host.slot_size_at(b.host_off)
+                    self.hostp.unpinned(b)
                     n += 1
             self.ctx.notify()
         return n

@@ -20,14 +20,14 @@ def take_sample(store: Any) -> dict[str, Any]:
     """One sample of a :class:`~tierkv.daemon.blockstore.BlockStore`: wall time, per tier used/capacity
     bytes and counters, bytes moved per link, and the blocks fetches got from any tier (``served``)."""
     tiers: dict[str, dict[str, int]] = {}
-    for name, counters, used, capacity in store.tier_figures():
+    for name, counters, used, capacity in store.snapshots.tier_figures():
         d = {"used": int(used), "capacity": int(capacity)}
         d.update({c: int(getattr(counters, c)) for c in _COUNTERS})
         tiers[name] = d
     links = {k: int(v) for k, v in dict(store.engine.book.link_bytes).items()}
     if store.remote is not None:
-        links["host->remote"] = int(store.remote_stats.bytes_in)
-        links["remote->host"] = int(store.remote_stats.bytes_out)
+        links["host->remote"] = int(store.remote_counters.bytes_in)
+        links["remote->host"] = int(store.remote_counters.bytes_out)
     fetched = [list(c) for c in list(store.table.ns_hits.values())]  # a copy: HELLOs may add namespaces meanwhile
     served = {"hits": sum(c[0] for c in fetched), "misses": sum(c[1] for c in fetched)}
     return {"t": round(time.time(), 3), "tiers": tiers, "links": links, "served": served}

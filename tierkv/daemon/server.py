@@ -167,7 +167,7 @@ class Server:
                 pass
         if self.store is not None:
             if self.cfg.server.flush_on_shutdown:
-                n = self.store.flush(max(0.0, deadline - time.monotonic()))
+                n = self.store.evictor.flush(max(0.0, deadline - time.monotonic()))
                 log.info("flushed %d blocks to disk", n)
             self.store.close(max(1.0, deadline - time.monotonic()))
             self.store = None
@@ -239,7 +239,7 @@ class Server:
                 self._conns.pop(session.id, None)
                 self._pids.pop(session.id, None)
             if self.store is not None:
-                self.store.close_session(session)
+                self.store.sessions.close(session)
             conn.close()
 
     def _dispatch(self, conn: socket.socket, s: Session, op: int, rid: int, body: Any) -> None:
@@ -278,7 +278,7 @@ class Server:
     def stats(self) -> dict:
         """The snapshot behind ``tierkv stats``: the server's figures and the store's."""
         assert self.store is not None
-        st = self.store.snapshot()
+        st = self.store.snapshots.store()
         return {
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 3),

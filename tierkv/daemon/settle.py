@@ -11,7 +11,7 @@ from typing import Any
 from tierkv.cache.block import Block
 from tierkv.core.keys import FINGERPRINT_BYTES
 from tierkv.core.layout import Layout
-from tierkv.movers.transfer import Job, Move
+from tierkv.movers.engine import Job, Move
 
 
 def moves(blocks: Sequence[Block], view: Callable[[int, int], Any], layout: Callable[[Block], Layout]) -> list[Move]:

@@ -16,7 +16,7 @@ from tierkv.daemon.context import Context
 from tierkv.daemon.events import KvEvents
 from tierkv.daemon.startup import Tiers
 from tierkv.daemon.stats import tier_snapshot
-from tierkv.movers.transfer import TransferEngine
+from tierkv.movers.engine import TransferEngine
 
 
 class Snapshots:
@@ -24,7 +24,7 @@ class Snapshots:
 
     def __init__(self, ctx: Context, table: BlockTable, tiers: Tiers, hostp: HostPlacement, diskp: DiskPlacement,
                  gpup: GpuPlacement | None, host_reuse: ReuseModel, admission: Admission, engine: TransferEngine,
-                 cost: CostModel, events: KvEvents | None, remote_stats: TierCounters) -> None:
+                 cost: CostModel, events: KvEvents | None, remote_counters: TierCounters) -> None:
         self.ctx = ctx
         self.table = table
         self.tiers = tiers
@@ -36,7 +36,7 @@ class Snapshots:
         self.engine = engine
         self.cost = cost
         self.events = events
-        self.remote_stats = remote_stats
+        self.remote_counters = remote_counters
         self.remote_info: tuple[float, dict | None] = (0.0, None)  # (when, remote server memory)
 
     def store(self) -> dict[str, Any]:
@@ -111,6 +111,12 @@ class Snapshots:
                 tiers["disk"]["shadow"] = shadow.snapshot()
         return tiers
 
+    def health(self) -> str:
+        """Why the store is degraded ("" when healthy): its own reason, or the remote tier's state."""
+        remote = self.tiers.remote
+        state = remote.state()["state"] if remote is not None else "up"
+        return self.ctx.degraded or ("" if state == "up" else f"remote tier {state}")
+
     def remote(self) -> dict | None:
         """The remote tier's figures (server memory asked at most every 5 s)."""
         remote = self.tiers.remote
@@ -125,7 +131,7 @@ class Snapshots:
             known = sum(1 for b in self.table.records() if b.on_remote)
         d.update({"capacity_bytes": info.get("max_bytes", 0), "used_bytes": info.get("used_bytes", 0),
                   "blocks": known, "eviction_policy": info.get("policy", ""),
-                  "bytes_logical": self.remote_stats.bytes_in, "bytes_stored": d.get("bytes_in", 0)})
+                  "bytes_logical": self.remote_counters.bytes_in, "bytes_stored": d.get("bytes_in", 0)})
         return d
 
     def tier_figures(self) -> list[tuple[str, TierCounters, int, int]]:
@@ -140,5 +146,5 @@ class Snapshots:
             out.append(("disk", self.diskp.stats, self.diskp.used, t.disk.capacity))
         if t.remote is not None:
             info = self.remote_info[1] or {}
-            out.append(("remote", self.remote_stats, info.get("used_bytes", 0), info.get("max_bytes", 0)))
+            out.append(("remote", self.remote_counters, info.get("used_bytes", 0), info.get("max_bytes", 0)))
         return out

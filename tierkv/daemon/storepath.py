@@ -20,7 +20,7 @@ from tierkv.daemon.gpupath import GpuPath
 from tierkv.daemon.signals import Signals
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.tier_jobs import TierJobs
-from tierkv.movers.transfer import Job
+from tierkv.movers.engine import Job
 from tierkv.tiers.host import HostPool, SlabAllocator, slot_size_for
 
 if TYPE_CHECKING:
@@ -195,9 +195,7 @@ class StorePath:
             if b is None:
                 b = table.add(Block(fk, ns.layout.block_bytes, host_off=off, parent=parent,
                                     tokens=tokens[i] if tokens else None))
-                hp.inserted(b, parent)
-                hp.policy.on_access(fk)  # a store is a use (insert alone is not counted)
-                hp.stats.bytes_in += b.nbytes
+                hp.committed(b, parent)
                 new.append(b)
             elif b.host_off is None and b.loading is None:
                 if tokens and b.tokens is None:
@@ -230,8 +228,7 @@ class StorePath:
                 if b is None:
                     b = self.table.add(Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True,
                                              tokens=tokens[i] if tokens else None))
-                    gpup.inserted(b)
-                    gpup.stats.bytes_in += b.nbytes
+                    gpup.committed(b)
                     new.append(b)
                 elif b.gpu_off is None and b.gpu_loading is None:
                     b.gpu_off = off  # cached in a colder tier: keep the fresh device copy hot

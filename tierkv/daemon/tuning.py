@@ -14,7 +14,7 @@ from tierkv.cache.table import BlockTable
 from tierkv.daemon.config import Config
 from tierkv.daemon.context import Context
 from tierkv.daemon.startup import make_disk_policy, make_host_policy
-from tierkv.movers.transfer import TransferEngine
+from tierkv.movers.engine import TransferEngine
 from tierkv.tiers.disk import DiskTier, stored_size
 from tierkv.tiers.host import HostPool
 

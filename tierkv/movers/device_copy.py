@@ -10,7 +10,7 @@ from tierkv.movers.budget import LinkBudgets
 from tierkv.movers.jobs import Job, JobBook
 from tierkv.movers.streams import Copy, make_queue
 
-log = logging.getLogger("tierkv.movers.transfer")
+log = logging.getLogger("tierkv.movers.engine")
 
 
 class DeviceMover:

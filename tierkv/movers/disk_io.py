@@ -26,7 +26,7 @@ from tierkv.movers.jobs import Job, JobBook, Move
 from tierkv.movers.priority import lower_this_thread
 from tierkv.tiers.disk import DiskError, DiskTier
 
-log = logging.getLogger("tierkv.movers.transfer")
+log = logging.getLogger("tierkv.movers.engine")
 # Group commit: a written store job waits for the one sync that makes it durable at most this many jobs
 # or seconds (less when the writer finds nothing else queued).
 GROUP_COMMIT_JOBS = 8

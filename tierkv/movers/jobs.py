@@ -19,7 +19,7 @@ import numpy as np
 from tierkv.core.errors import TierFull, TierKVError
 from tierkv.core.layout import Layout
 
-log = logging.getLogger("tierkv.movers.transfer")
+log = logging.getLogger("tierkv.movers.engine")
 
 
 @dataclass(slots=True)

@@ -13,8 +13,8 @@ import click
 from tierkv.client.admin import request
 from tierkv.core.errors import TierKVError
 from tierkv.core.units import format_size
-from tierkv.daemon.allocator import TUNABLES, start_malloc_trim
 from tierkv.daemon.config import default_socket, load_config
+from tierkv.daemon.malloc import TUNABLES, start_malloc_trim
 
 _SERVE_FLAGS = {
     "socket": "server.socket", "data_dir": "server.data_dir", "host_capacity": "host.capacity",

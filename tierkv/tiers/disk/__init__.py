@@ -1,6 +1,6 @@
 """Disk tier: one LMDB environment in the data directory, opened only by the daemon, one writer.
 
-Modules: ``tier`` (:class:`DiskTier`: scan, read, write, flush), ``pages`` (LMDB's page format, read in
+Modules: ``tier`` (:class:`DiskTier`: scan, read, write, flush), ``pagemap`` (LMDB's page format, read in
 place; pinned to the liblmdb versions it knows), ``mapping`` (the process's mappings of the data file),
 ``writeback`` (the commit's writeback kick), ``errors``.
 """

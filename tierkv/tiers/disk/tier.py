@@ -23,7 +23,7 @@ import lmdb
 from tierkv.core.errors import PermissionDenied, TierFull
 from tierkv.tiers.disk.errors import classify
 from tierkv.tiers.disk.mapping import MADV_DONTNEED, PAGE, find_mapping, libc, resident, unmap_pages, willneed
-from tierkv.tiers.disk.pages import PageMap
+from tierkv.tiers.disk.pagemap import PageMap
 from tierkv.tiers.disk.writeback import WritebackKicker
 
 log = logging.getLogger("tierkv.disk")
@@ -113,7 +113,7 @@ class DiskTier:
         """Every (key, value) pair of one snapshot; values are only valid during iteration.
 
         Values are slices of the tier's own read-only MADV_RANDOM mapping of the data file, located by
-        walking LMDB's B-tree pages (:class:`~tierkv.tiers.disk.pages.PageMap`): reading a value's header reads only the page it
+        walking LMDB's B-tree pages (:class:`~tierkv.tiers.disk.pagemap.PageMap`): reading a value's header reads only the page it
         starts on. py-lmdb's cursors touch every page of every value they return (its ``preload``), so a
         scan through them read the whole file at every start and left it all in the page cache
         (measured: a 512 MiB tier 100% resident after the start-up scan). If the walk meets anything it

@@ -1,4 +1,4 @@
-"""The disk tier's own view of LMDB's pages (tierkv.tiers.disk.pages.PageMap): the start-up scan and reads
+"""The disk tier's own view of LMDB's pages (tierkv.tiers.disk.pagemap.PageMap): the start-up scan and reads
 find values by walking the B-tree themselves, because py-lmdb touches every page of a value it returns.
 Checked against py-lmdb on trees of every depth, inline and overflow values, and after deletes."""
 
@@ -170,7 +170,7 @@ def test_an_unknown_liblmdb_is_refused_before_lmdb_opens(tmp_path: Path, monkeyp
     import lmdb
 
     from tierkv.tiers.disk import DiskError
-    from tierkv.tiers.disk.pages import check_lmdb_version
+    from tierkv.tiers.disk.pagemap import check_lmdb_version
 
     assert check_lmdb_version() == tuple(lmdb.version())
     monkeypatch.setattr(lmdb, "version", lambda: (1, 0, 0))

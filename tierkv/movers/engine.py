@@ -31,7 +31,7 @@ from tierkv.movers.remote import RemoteMover
 from tierkv.tiers.disk import DiskTier
 
 __all__ = ["LOAD_THREADS", "VERIFY", "DiskWrites", "Job", "Move", "Route", "TransferEngine"]
-log = logging.getLogger("tierkv.movers.transfer")
+log = logging.getLogger("tierkv.movers.engine")
 
 VERIFY: Route = ("disk", "verify")  # decode every value on disk; the job's ``bad`` lists what failed
 
