@@ -60,10 +60,10 @@ def _disk_docs() -> dict[str, tuple[str, str]]:
 
     root = Path(__file__).parents[2]
     default = DiskConfig().policy
-    tree = ast.parse((root / "tierkv" / "daemon" / "config.py").read_text())
+    tree = ast.parse((root / "tierkv" / "daemon" / "sections.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DiskConfig")
     field_docs = [n.value.value for n in cls.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)]
-    docs = {"config.py DiskConfig": ("\n".join(field_docs), default)}
+    docs = {"sections.py DiskConfig": ("\n".join(field_docs), default)}
     for path in sorted((root / "configs").glob("*.toml")):
         section = path.read_text().split("[disk]", 1)[1].split("\n[", 1)[0]
         policy = load_config(path, env={}).disk.policy

@@ -190,3 +190,22 @@ def test_no_daemon_module_imports_another_for_annotations_only():
                          else [a.name for a in inner.names] if isinstance(inner, ast.Import) else [])
                 found += [f"{path.name}: {n}" for n in names if n.startswith("tierkv.daemon")]
     assert found == []
+
+
+def test_modules_and_functions_stay_small():
+    """Small modules named for one thing: no module of the package over 400 lines, no function over 60."""
+    import ast
+
+    big, long_ = [], []
+    for path in sorted((REPO / "tierkv").rglob("*.py")):
+        text = path.read_text()
+        name = str(path.relative_to(REPO))
+        if text.count("\n") > 400:
+            big.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 60:
+                    long_.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not big, big
+    assert not long_, long_

@@ -23,9 +23,9 @@ from tierkv.client.checks import (
     check_tokens,
     first_tensor,
 )
-from tierkv.client.connection import Connection
 from tierkv.client.copies import as_bytes, copy_pairs, new_batch
 from tierkv.client.durable import durable_chunks, slot_bytes
+from tierkv.client.hints import Hints
 from tierkv.client.slots import Lease, Slots
 from tierkv.core.errors import BadRequest, KeyMissing, TierKVError
 from tierkv.core.keys import chain_keys
@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 __all__ = ["Client", "Lease", "Slots"]
 
 
-class Client(Connection):
-    """The client of one model namespace: connect with :meth:`Client.connect`. Thread-safe."""
+class Client(Hints):
+    """The client of one model namespace: connect with :meth:`Client.connect`. Thread-safe. The engine's
+    hints and the daemon's figures are :class:`~tierkv.client.hints.Hints`."""
 
     # ---- keys -------------------------------------------------------------------------------------
     def block_keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor,
@@ -395,48 +396,3 @@ class Client(Connection):
     def release(self, lease: Lease) -> None:
         """End a lease (same as ``lease.release()``)."""
         lease.release()
-
-    # ---- hints and introspection ------------------------------------------------------------------
-    def touch(self, keys: Sequence[bytes], scores: Sequence[float]) -> int:
-        """Report attention mass per block (1.0 = uniform) for placement; returns blocks found."""
-        keys = check_keys(keys)
-        scores = [float(x) for x in scores]
-        if len(scores) != len(keys):
-            raise BadRequest("scores must be as long as keys")
-        return int(self._call(Op.TOUCH, {"keys": keys, "scores": scores})["touched"])
-
-    def pin_prefix(self, keys: Sequence[bytes], priority: int = 80) -> int:
-        """Keep a frozen prefix (system prompt, tool descriptions) in the host tier until :meth:`unpin`.
-
-        Args:
-            keys: the prefix's block keys (blocks must already be stored; missing ones end the prefix).
-            priority: retention priority 1..100, as in TensorRT-LLM's retention config.
-
-        Returns:
-            How many leading blocks are now pinned.
-        """
-        return int(self._call(Op.PIN, {"keys": check_keys(keys), "priority": priority})["pinned"])
-
-    def unpin(self, keys: Sequence[bytes]) -> int:
-        """Make pinned blocks evictable again; returns how many were pinned."""
-        return int(self._call(Op.UNPIN, {"keys": check_keys(keys)})["unpinned"])
-
-    def set_window(self, keys: Sequence[bytes], budget: int, sinks: int = 1, recent: int = 8) -> int:
-        """Fit a live sequence longer than its fast-tier budget: keep the first ``sinks`` blocks
-        (attention sinks), the last ``recent`` blocks, and the middle blocks with the most attention
-        mass (see :meth:`touch`) up to ``budget`` blocks in host memory; the rest are demoted to disk,
-        never dropped. Returns how many blocks were demoted."""
-        return int(self._call(Op.WINDOW, {"keys": check_keys(keys), "budget": budget, "sinks": sinks,
-                                          "recent": recent})["demoted"])
-
-    def stats(self) -> dict[str, Any]:
-        """The daemon's figures: per tier capacity, usage, hits, misses, bytes, evictions, ..."""
-        return self._call(Op.STATS, {})
-
-    def health(self) -> dict[str, Any]:
-        """``{"status": "ok" | "degraded", "reason": ...}``."""
-        return self._call(Op.HEALTH, {})
-
-    def ping(self) -> dict[str, Any]:
-        """Round trip to the daemon."""
-        return self._call(Op.PING, {})

@@ -49,15 +49,7 @@ def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, 
         it is, "gain_points": advised minus default hit rate, "writes_ratio": advised / default disk
         bytes}``.
     """
-    host = TierSpec(**{**asdict(config.tiers[0]), "capacity": max(1, host_bytes)})
-    if len(config.tiers) > 1:
-        disk = config.tiers[1]
-        disk = TierSpec(**{**asdict(disk), "capacity": max(1, int(disk_bytes / max(disk.compression, 1.0)))})
-    else:
-        disk = TierSpec("disk", max(1, int(disk_bytes / 1.4)), read_bytes_per_s=5e9, latency_s=1e-4,
-                        compression=1.4, inclusive=True, write_bytes_per_s=2e9)
-    fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
-    base = ReplayConfig(**{**fields, "tiers": [host, disk]})
+    base = _resized(config, host_bytes, disk_bytes)
 
     def run(name: str, mode: str | None, shadow: float | None = None) -> ReplayResult:
         cfg = configure(name, base)
@@ -91,6 +83,20 @@ def advise_admission(workload: Workload, config: ReplayConfig, host_bytes: int, 
             "gain_points": (advised.token_hit_rate - default.token_hit_rate) * 100,
             "writes_ratio": advised.disk_writes_bytes / default.disk_writes_bytes if default.disk_writes_bytes
             else None}
+
+
+def _resized(config: ReplayConfig, host_bytes: int, disk_bytes: int) -> ReplayConfig:
+    """``config`` with its host and disk tiers at the recommended sizes (a disk tier added when there
+    is none; its capacity in stored bytes, smaller than ``disk_bytes`` by its compression)."""
+    host = TierSpec(**{**asdict(config.tiers[0]), "capacity": max(1, host_bytes)})
+    if len(config.tiers) > 1:
+        disk = config.tiers[1]
+        disk = TierSpec(**{**asdict(disk), "capacity": max(1, int(disk_bytes / max(disk.compression, 1.0)))})
+    else:
+        disk = TierSpec("disk", max(1, int(disk_bytes / 1.4)), read_bytes_per_s=5e9, latency_s=1e-4,
+                        compression=1.4, inclusive=True, write_bytes_per_s=2e9)
+    fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
+    return ReplayConfig(**{**fields, "tiers": [host, disk]})
 
 
 def _figures(r: ReplayResult) -> dict[str, Any]:
