@@ -284,6 +284,32 @@ def test_bad_commit_flags_are_bad_requests_and_keep_the_slots(live):
     check_data(live)
 
 
+def test_bad_keep_and_uses_are_bad_requests_and_keep_the_slots(live):
+    """ALLOC's ``keep`` and COMMIT's ``uses`` are lists of keys: anything else is refused, no slot is
+    handed out or lost, no block is published or counted, and the slot still commits."""
+    start = state_of(live)
+    c = RawClient(live.socket)
+    try:
+        c.hello(Namespace("test-model", SMALL))
+        mine = c.ok(Op.ALLOC, {"n": 1})["slots"][0]
+        before = state_of(live)
+        key = [os.urandom(16)]
+        for value in (5, "k", b"k", [b""], [None], [5], [b"k" * 129], {"k": 1}, [[b"k"]]):
+            status, reply = c.call(Op.ALLOC, {"n": 1, "keep": value})
+            assert status == protocol.STATUS_ERROR and reply["code"] == "bad_request", (value, reply)
+            status, reply = c.call(Op.COMMIT, {"keys": key, "slots": [mine], "uses": value})
+            assert status == protocol.STATUS_ERROR and reply["code"] == "bad_request", (value, reply)
+        assert state_of(live) == before
+        hits = live.stats()["tiers"]["host"]["hits"]
+        assert c.ok(Op.COMMIT, {"keys": key, "slots": [mine], "uses": live.keys[:2]})["new"] == 1
+        assert live.stats()["tiers"]["host"]["hits"] == hits  # a use is not a hit
+        assert c.ok(Op.DELETE, {"keys": key})["deleted"] == 1
+    finally:
+        c.close()
+    assert settle(live, start) == start
+    check_data(live)
+
+
 def test_lease_misuse_leaves_leases_unchanged(live):
     start = state_of(live)
     a = RawClient(live.socket)
