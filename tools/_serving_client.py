@@ -53,7 +53,7 @@ def run_client(url: str, model_dir: str, served_name: str, workload: Workload, t
             "--timed-trace-chunk-hash-size", str(workload.chunk_tokens),
             "--timed-trace-sec-multiplier", repr(workload.sec_multiplier), "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+            "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
     env = dict(os.environ, PYTHONHASHSEED=HASH_SEED, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     before = scrape(url)
     with open(log, "ab") as fh:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 COLUMNS = (  # (heading, width, key of figures())
     ("config", 8, "config"), ("TTFT p50", 9, "ttft_p50_ms"), ("p99", 8, "ttft_p99_ms"),
     ("TPOT p50", 9, "tpot_p50_ms"), ("p99", 8, "tpot_p99_ms"), ("ITL p99", 8, "itl_p99_ms"),
@@ -65,6 +67,7 @@ def print_tables(report: dict) -> None:
                 figs[r["config"]] = f
                 print("  ".join(_cell(f[k], w) for _h, w, k in COLUMNS))
             _print_ratios(figs)
+            _print_reusable(rows, wl)
 
 
 def _print_ratios(figs: dict[str, dict]) -> None:
@@ -74,6 +77,26 @@ def _print_ratios(figs: dict[str, dict]) -> None:
         for cfg, f in figs.items():
             if cfg != ref:
                 print(f"  {cfg} / {ref}: " + "  ".join(f"{h} {_ratio(f[k], figs[ref][k])}" for h, k in RATIOS))
+
+
+def _print_reusable(rows: list[dict], wl: dict) -> None:
+    """TTFT p50 of the requests a KV cache outside vLLM can speed up (``wl["reusable"]``) and of the others,
+    per configuration (runs whose client saved per-request TTFTs)."""
+    picked = set(wl.get("reusable") or ())
+    if not picked:
+        return
+    cells = []
+    for r in rows:
+        ttfts = r.get("client", {}).get("ttfts") or []
+        if "error" in r or len(ttfts) != wl["requests"]:
+            continue
+        some = [t for i, t in enumerate(ttfts) if i in picked]
+        rest = [t for i, t in enumerate(ttfts) if i not in picked]
+        cells.append(f"{r['config']} {1e3 * statistics.median(some):.0f}"
+                     + (f" / {1e3 * statistics.median(rest):.0f}" if rest else ""))
+    if cells:
+        print(f"  TTFT p50 (ms) of the {len(picked)} requests a cache beside vLLM's own can speed up / of the "
+              f"other {wl['requests'] - len(picked)}: " + ", ".join(cells))
 
 
 def _ratio(a: float, b: float) -> str:

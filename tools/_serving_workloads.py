@@ -49,19 +49,40 @@ class Workload:
         path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.rows))
         return path
 
+    def blocks(self, row: dict, block_tokens: int = 128) -> list[int]:
+        """Names of ``row``'s full ``block_tokens``-token prompt blocks (what a KV connector stores); a
+        block is named by the ids that cover it, as equal ids mean equal prefixes."""
+        chain, prefix = 0, []
+        for h in row["hash_ids"]:
+            chain = hash((chain, h))
+            prefix.append(chain)
+        return [prefix[min(len(prefix), -(-(b + 1) * block_tokens // self.chunk_tokens)) - 1]
+                for b in range(row["input_length"] // block_tokens)]
+
     def working_set_blocks(self, block_tokens: int = 128) -> int:
-        """Distinct full ``block_tokens``-token prompt blocks (what a KV connector stores); a block is
-        named by the ids that cover it, as equal ids mean equal prefixes."""
+        """Distinct full prompt blocks of every request."""
+        return len({b for r in self.rows for b in self.blocks(r, block_tokens)})
+
+    def reusable(self, device_blocks: int, block_tokens: int = 128) -> list[int]:
+        """Indices of the requests a KV cache outside vLLM can speed up: in arrival order, an unbounded
+        cache holds a longer prefix of the prompt than an LRU of ``device_blocks`` blocks (vLLM's own
+        cache, its concurrency aside)."""
+        lru: dict[int, None] = {}
         seen: set[int] = set()
-        for r in self.rows:
-            ids = r["hash_ids"]
-            chain, prefix = 0, []
-            for h in ids:
-                chain = hash((chain, h))
-                prefix.append(chain)
-            for b in range(r["input_length"] // block_tokens):
-                seen.add(prefix[min(len(prefix), -(-(b + 1) * block_tokens // self.chunk_tokens)) - 1])
-        return len(seen)
+        out = []
+        for i, r in enumerate(self.rows):
+            names = self.blocks(r, block_tokens)
+            held = next((k for k, b in enumerate(names) if b not in lru), len(names))
+            known = next((k for k, b in enumerate(names) if b not in seen), len(names))
+            if known > held:
+                out.append(i)
+            seen.update(names)
+            for b in names:
+                lru.pop(b, None)
+                lru[b] = None
+            for b in list(lru)[:max(0, len(lru) - device_blocks)]:
+                del lru[b]
+        return out
 
     def summary(self) -> dict[str, float]:
         """Request count, duration on the replay clock, token totals and the working set."""

@@ -143,6 +143,7 @@ def main() -> None:
                                  trace_start=args.trace_start, trace_chunk=args.trace_chunk)
             summary = wl.summary()
             summary["working_set_bytes"] = summary["working_set_blocks"] * bb
+            summary["reusable"] = wl.reusable(args.vllm_blocks)
             report["workloads"][name] = summary
             print(f"[{name}] {summary['requests']} requests over {summary['duration_s']:.0f} s, prompts "
                   f"{summary['mean_prompt_tokens']:.0f} tokens on average (at most {summary['max_prompt_tokens']}), "

@@ -1,0 +1,34 @@
+"""The serving benchmark's workloads: the working set and the requests a cache beside vLLM's can speed up."""
+
+from __future__ import annotations
+
+from _serving_workloads import Workload, chat
+
+
+def row(t: int, ids: list[str]) -> dict:
+    return {"timestamp": t, "input_length": 128 * len(ids), "output_length": 4, "hash_ids": ids}
+
+
+def test_reusable_are_requests_whose_prefix_outlived_a_small_lru():
+    """Three blocks of LRU: request 2 repeats request 0's prefix after request 1 pushed it out (a cache
+    beside vLLM's helps); request 3 repeats request 2's, still held (vLLM's own cache suffices)."""
+    wl = Workload("t", [row(0, ["a", "b"]), row(1, ["c", "d"]), row(2, ["a", "b", "e"]), row(3, ["a", "b"])], 128)
+    assert wl.working_set_blocks() == 5
+    assert wl.reusable(3) == [2]
+    assert wl.reusable(8) == []
+
+
+def test_block_names_follow_prefixes_not_ids():
+    """With 64-token ids a 128-token block is named by the two ids that end it and every id before them."""
+    wl = Workload("t", [row(0, ["x", "a", "b", "c"]), row(1, ["y", "a", "b", "c"])], 64)
+    wl.rows = [{**r, "input_length": 256} for r in wl.rows]
+    assert wl.working_set_blocks() == 4
+    assert wl.reusable(0) == []
+
+
+def test_chat_turns_after_a_long_think_time_need_a_second_cache():
+    wl = chat(96, 0.3)
+    some = wl.reusable(32)
+    assert 0 < len(some) < len(wl.rows)
+    assert set(some) <= set(range(len(wl.rows)))
+    assert len(wl.reusable(10_000)) == 0
