@@ -117,6 +117,9 @@ def _daemon(work: Path, host_bytes: int, disk_bytes: int) -> Iterator[str]:
                                                  "--disk-capacity", f"{max(1, disk_bytes // MIB)}MiB"]).start()
     try:
         yield sock
+        stats = subprocess.run([sys.executable, "-m", "tierkv", "stats", "--socket", sock, "--json"],
+                               capture_output=True, text=True, timeout=60)
+        (work / "tierkv-stats.json").write_text(stats.stdout or stats.stderr)  # the daemon's view of the run
     finally:
         daemon.stop()
 

@@ -179,3 +179,33 @@ def test_the_store_chooses_the_deletes_its_disk_writes_carry(tmp_path: Path) -> 
         assert (VERIFY, []) in submitted  # the store's verify is a mover job
     finally:
         st.close(5.0)
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_disk_writes_run_below_the_engine(tmp_path: Path, idle: bool) -> None:
+    """The threads that encode and write blocks to disk run niced, or in the idle scheduling class; the
+    threads that load keep the daemon's priority. A write still lands."""
+    import os
+
+    tier = DiskTier(tmp_path / "disk", 64 << 20, sync=False)
+    eng = TransferEngine(tier, workers=2, codec="lossless", write_nice=7, write_idle=idle)
+    try:
+        out = _moves(4, 9)
+        assert eng.submit(TO_DISK, out).wait(10) and all(m.ok for m in out)
+        back = [Move(m.lmdb_key, np.zeros_like(m.view), LAYOUT, FP, m.key) for m in out]
+        assert eng.submit(FROM_DISK, back).wait(10) and all(m.ok for m in back)
+        seen: dict[str, set[tuple[int, int]]] = {}
+        for t in threading.enumerate():
+            if t.name.startswith(("tierkv-encode", "tierkv-disk-writer", "tierkv-decode")) and t.native_id:
+                seen.setdefault(t.name.split("_")[0], set()).add(
+                    (os.sched_getscheduler(t.native_id), os.getpriority(os.PRIO_PROCESS, t.native_id)))
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        writers = seen["tierkv-encode"] | seen["tierkv-disk-writer"]
+        if idle:
+            assert {policy for policy, _ in writers} == {os.SCHED_IDLE}
+        else:
+            assert writers == {(os.SCHED_OTHER, min(19, base + 7))}
+        assert seen["tierkv-decode"] == {(os.SCHED_OTHER, base)}
+    finally:
+        eng.close()
+        tier.close()

@@ -136,6 +136,9 @@ class DiskConfig:
     write_nice: int = 10
     """CPU nice steps of the threads that encode and write blocks to disk (0: the daemon's own): writes
     behind the engine take the cores it leaves idle. Loads keep the daemon's priority."""
+    write_idle: bool = False
+    """Run those threads in the idle scheduling class instead of nice (Linux): they get a core only when
+    no other thread wants it."""
     sync: bool = True
     """fsync each write transaction (required for durable acknowledgements)."""
     write_batch: int = 256

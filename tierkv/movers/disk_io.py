@@ -54,10 +54,11 @@ class DiskMover:
         encode: worker pool for encodes; decode: worker pool for loads and verify scans.
         writes: codec, level and transaction size of new writes (read at each write).
         write_nice: CPU nice steps of the writer thread (0: the daemon's own).
+        write_idle: run the writer thread in the idle scheduling class instead.
     """
 
     def __init__(self, disk: DiskTier, book: JobBook, budgets: LinkBudgets, encode: ThreadPoolExecutor,
-                 decode: ThreadPoolExecutor, writes: DiskWrites, write_nice: int = 0) -> None:
+                 decode: ThreadPoolExecutor, writes: DiskWrites, write_nice: int = 0, write_idle: bool = False) -> None:
         self.disk = disk
         self.writes = writes
         self._book = book
@@ -66,7 +67,7 @@ class DiskMover:
         self._decode = decode
         self._orphans: list[bytes] = []  # deletes the daemon chose whose transaction failed: retried
         self._stores: queue.Queue[Job | None] = queue.Queue()
-        self._write_nice = write_nice
+        self._write_nice, self._write_idle = write_nice, write_idle
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -91,7 +92,7 @@ class DiskMover:
         # durable put acknowledged) once the writer finds the queue empty, or several jobs or a
         # moment have gone by, and has synced.
         unsynced: list[tuple[Job, float]] = []  # written, not yet synced: (job, when written)
-        lower_this_thread(self._write_nice)
+        lower_this_thread(self._write_nice, self._write_idle)
         while True:
             job = self._stores.get()
             if job is None:

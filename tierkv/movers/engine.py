@@ -47,25 +47,27 @@ class TransferEngine:
         budgets: bytes/s per link (None or 0: unlimited).
         write_nice: CPU nice steps of the threads that encode and write blocks to disk (0: the daemon's
             own), so background writes yield the cores to the engine; loads keep the daemon's priority.
+        write_idle: run those threads in the idle scheduling class instead (only on cores nothing else wants).
     """
 
     def __init__(self, disk: DiskTier | None, workers: int = 2, codec: str = "lossless", level: int = 1,
                  write_batch: int = 32, budgets: dict[str, float | None] | None = None,
-                 write_nice: int = 0) -> None:
+                 write_nice: int = 0, write_idle: bool = False) -> None:
         self.disk = disk
         self.budgets = LinkBudgets(budgets or {})
         self.book = JobBook(("host->disk", "disk->host"))  # jobs in flight, bytes and seconds per link
         self.writes = DiskWrites(codec, level, write_batch)
         self._routes: dict[Route, Callable[[Job], None]] = {}
         self._encode = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-encode", initializer=lower_this_thread,
-                                          initargs=(write_nice,))
+                                          initargs=(write_nice, write_idle))
         # A load mostly waits on the device (an O_DIRECT read, GIL released), then decodes: more loads in
         # flight than cores keep the disk busy while others decode (measured, cold lossless loads on 2
         # cores: 1.3 GB/s with 2 threads, 1.6 with 4, 1.8 with 8).
         self._decode = ThreadPoolExecutor(max(workers, LOAD_THREADS), thread_name_prefix="tierkv-decode")
         self._disk: DiskMover | None = None
         if disk is not None:
-            self._disk = DiskMover(disk, self.book, self.budgets, self._encode, self._decode, self.writes, write_nice)
+            self._disk = DiskMover(disk, self.book, self.budgets, self._encode, self._decode, self.writes, write_nice,
+                                    write_idle)
             self._routes.update({("host", "disk"): self._disk.store, ("disk", "host"): self._disk.load,
                                  VERIFY: self._disk.verify})
         # one writer keeps remote write-through in commit order and off the load path
