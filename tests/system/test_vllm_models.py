@@ -43,6 +43,7 @@ class Run:
     loaded: dict[str, Any] = field(default_factory=dict)       # vLLM + tierkv, restarted
     metrics: dict[str, float] = field(default_factory=dict)    # the restarted server's tierkv counters
     namespaces: dict[str, dict] = field(default_factory=dict)  # the daemon's, by model id
+    vllm_prefix_cache: bool = True  # False: vLLM's CPU build turned its prefix cache off (MLA without AMX)
 
 
 def _counters(server: VllmServer) -> dict[str, float]:
@@ -63,6 +64,7 @@ def _run(arch: str, work: Path, daemon: Daemon) -> Run:
 
     with server("alone", None) as s:
         run.alone = [s.complete(PROMPT), s.complete(PROMPT)]
+    run.vllm_prefix_cache = "prefix caching to be disabled" not in (work / f"vllm-{arch}-alone.log").read_text()
     with server("store", daemon.socket) as s:
         run.stored = s.complete(PROMPT)
     # the stopped server's committer has flushed: a restarted vLLM finds the prompt in tierkv only
@@ -72,6 +74,12 @@ def _run(arch: str, work: Path, daemon: Daemon) -> Run:
     run.namespaces = {ns["model"]: ns for ns in daemon.stats()["namespaces"].values()
                       if ns["model"].startswith(run.model_dir.name + "#")}
     return run
+
+
+def _hit(run: Run) -> int:
+    """Tokens of the prompt's full blocks at the block size vLLM chose (16 for MLA without AMX, else 128)."""
+    bt = min(ns["layout"]["block_tokens"] for ns in run.namespaces.values())
+    return (len(PROMPT) - 1) // bt * bt
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +104,18 @@ def test_after_a_restart_tierkv_serves_the_prompt_and_vllm_answers_as_alone(runs
     prompt with a cached prefix on another path than a whole prompt: in bfloat16 the two differ.)"""
     run = runs[arch]
     cold, warm = run.alone
-    assert warm["cached_tokens"] == HIT and run.stored["cached_tokens"] == 0
-    assert run.loaded["cached_tokens"] == HIT  # vLLM's own cache is empty after a restart: all from tierkv
+    hit = _hit(run)
+    assert run.stored["cached_tokens"] == 0
+    assert run.loaded["cached_tokens"] == hit  # vLLM's own cache is empty after a restart: all from tierkv
+    assert run.metrics["hit_tokens"] >= hit and run.metrics["load_errors"] == 0
+    if not run.vllm_prefix_cache:
+        pytest.skip("vLLM's CPU build runs MLA without AMX with its prefix cache off: no answer of vLLM alone "
+                    "from a cached prefix to compare with (tierkv's load is checked above)")
+    assert warm["cached_tokens"] == hit
     assert run.loaded["tokens"] == warm["tokens"]
     assert run.loaded["logprobs"] == pytest.approx(warm["logprobs"], abs=1e-3)
     if DTYPE[arch] == "float32":
         assert run.loaded["tokens"] == cold["tokens"] == run.stored["tokens"]
-    assert run.metrics["hit_tokens"] >= HIT and run.metrics["load_errors"] == 0
 
 
 @pytest.mark.parametrize("arch", list(DTYPE))
@@ -115,15 +128,16 @@ def test_each_group_stores_the_prompts_pages_with_its_own_layers(runs, arch):
     assert sorted(m.split("#")[1].split(".")[1].rstrip("0123456789") for m in run.namespaces) == sorted(kinds)
     reference = tiny_models.reference_kv(run.model_dir, PROMPT)
     for model, ns in run.namespaces.items():
-        assert ns["blocks"] == HIT // BT
         layout = tierkv.Layout.from_dict(ns["layout"])
+        hit = (len(PROMPT) - 1) // layout.block_tokens * layout.block_tokens
+        assert ns["blocks"] == hit // layout.block_tokens
         with tierkv.Client.connect(run.socket, model=model, layout=layout) as c:
             blocks = c.get(c.block_keys(PROMPT)).float()  # [blocks, planes, layers, heads, tokens, dim]
         layers = kinds[model.split("#")[1].split(".")[1].rstrip("0123456789")]
         assert layout.num_layers == len(layers)
         for j, layer in enumerate(layers):
-            got = blocks[:, :, j].permute(1, 2, 0, 3, 4).reshape(layout.planes, layout.num_kv_heads, HIT, -1)
-            want = reference[layer][:, :, :HIT]
+            got = blocks[:, :, j].permute(1, 2, 0, 3, 4).reshape(layout.planes, layout.num_kv_heads, hit, -1)
+            want = reference[layer][:, :, :hit]
             if layout.kind == "kv":
                 assert torch.allclose(got, want, atol=1e-4), (model, layer)
             elif layer == 0:  # MLA: the latent (bfloat16) of the first layer; its rope part at position 0
