@@ -179,7 +179,7 @@ def test_batch_with_gaps_and_fp8():
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_slot_gather_in_small_groups(monkeypatch, layout):
-    monkeypatch.setattr(paged.host, "_STAGE_BYTES", 1)  # one block per staging group
+    monkeypatch.setattr(paged.cpu, "_STAGE_BYTES", 1)  # one block per staging group
     L, H, T, D, NB, n = 2, 3, 4, 8, 7, 5
     gen = torch.Generator().manual_seed(17)
     ks, vs = make_caches(L, H, T, D, NB, torch.float16, layout, gen)

@@ -209,3 +209,25 @@ def test_modules_and_functions_stay_small():
                     long_.append(f"{name}:{node.lineno} {node.name}: {length} lines")
     assert not big, big
     assert not long_, long_
+
+
+# Module names that several packages use, each with the one thing it means wherever it appears.
+SHARED_MODULE_NAMES = {
+    "base.py": "the base class of the package's implementations (policies, codecs)",
+    "connection.py": "one socket to a server (the daemon's Unix socket; a Redis node)",
+    "errors.py": "the package's exceptions",
+    "events.py": "KV events (the daemon publishes them; the client's index subscribes)",
+    "slots.py": "shared-memory slots (the daemon allocates them; the client leases them)",
+    "stats.py": "figures as their readers see them (tierkv stats; vLLM's stats)",
+    "tier.py": "a tier's store (disk; remote)",
+    "tuning.py": "runtime tuning (its rules; their application to the running daemon)",
+}
+
+
+def test_a_module_name_means_one_thing():
+    """A module name used in several packages is one of SHARED_MODULE_NAMES, with the one meaning given there."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (REPO / "tierkv").rglob("*.py") if p.name != "__init__.py")
+    shared = {n for n, c in names.items() if c > 1}
+    assert shared <= set(SHARED_MODULE_NAMES), sorted(shared - set(SHARED_MODULE_NAMES))
