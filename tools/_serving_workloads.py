@@ -128,10 +128,9 @@ def mooncake_window(requests: int, rate: float, *, start: int = TRACE_START, chu
 
 
 def chat(requests: int, rate: float, *, users: int | None = None, chunk: int = 128, max_len: int = 8192,
-         max_output: int = 16, seed: int = 0) -> Workload:
-    """The first ``requests`` turns of generated conversations (starts at a Poisson rate, mean 4 turns,
-    exponential think time) whose turns arrive at about ``rate`` req/s in all."""
-    mean_turns = 4.0
+         max_output: int = 16, seed: int = 0, mean_turns: float = 4.0) -> Workload:
+    """The first ``requests`` turns of generated conversations (starts at a Poisson rate, ``mean_turns``
+    turns on average, exponential think time) whose turns arrive at about ``rate`` req/s in all."""
     conv_rate = rate / mean_turns
     spec = ChatTraceSpec(conversations=users or max(1, round(requests / mean_turns)), rate_per_s=conv_rate,
                          mean_turns=mean_turns, think_s=8.0 / rate, system_prompts=4, system_tokens=512,
@@ -160,13 +159,14 @@ def long_prompts(requests: int, rate: float, *, documents: int = 6, chunk: int =
 
 
 def build(name: str, requests: int, rate: float, *, max_output: int, seed: int = 0,
-          trace_start: int = TRACE_START, trace_chunk: int = 16, max_len: int = 8192) -> Workload:
+          trace_start: int = TRACE_START, trace_chunk: int = 16, max_len: int = 8192,
+          chat_turns: float = 4.0) -> Workload:
     """The workload ``name`` (one of :data:`NAMES`)."""
     if name == "trace":
         return mooncake_window(requests, rate, start=trace_start, chunk=trace_chunk, max_len=max_len,
                                max_output=max_output)
     if name == "chat":
-        return chat(requests, rate, max_len=max_len, max_output=max_output, seed=seed)
+        return chat(requests, rate, max_len=max_len, max_output=max_output, seed=seed, mean_turns=chat_turns)
     if name == "long":
         return long_prompts(requests, rate, max_len=max_len, max_output=max_output, seed=seed)
     raise ValueError(f"unknown workload {name!r} (one of {', '.join(NAMES)})")

@@ -111,9 +111,11 @@ def add_run_args(ap: argparse.ArgumentParser, *, chat_rate: float, check_prompts
     greedy check, seed, work folder, output and ``--report``."""
     ap.add_argument("--trace-rate", type=float, default=0.25, help="trace: mean requests/s (the clock stretched)")
     ap.add_argument("--chat-rate", type=float, default=chat_rate, help="chat: mean requests/s")
+    ap.add_argument("--chat-turns", type=float, default=4.0, help="chat: mean turns per conversation")
     ap.add_argument("--long-rate", type=float, default=0.04, help="long: requests/s")
     ap.add_argument("--max-output", type=int, default=16, help="output tokens per request, at most")
-    ap.add_argument("--vllm-blocks", type=int, default=65, help="vLLM's own KV cache per instance, 128-token blocks")
+    ap.add_argument("--vllm-blocks", type=int, default=65,
+                    help="vLLM's own KV cache per instance, 128-token blocks (requests clipped to one block less)")
     ap.add_argument("--check-prompts", type=int, default=check_prompts, help="fixed prompts of the greedy check")
     ap.add_argument("--check-tokens", type=int, default=24, help="greedy reply tokens per check prompt")
     ap.add_argument("--seed", type=int, default=0)
@@ -136,11 +138,13 @@ def main() -> None:
     rates = {"trace": args.trace_rate, "chat": args.chat_rate, "long": args.long_rate}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-serving-"))
     report: dict = {"args": vars(args), "block_bytes": bb, "workloads": {}, "runs": []}
+    max_len = min(configs.MAX_MODEL_LEN, (args.vllm_blocks - 1) * 128)  # a request fits vLLM's own cache
     try:
         for name in names:
             count = args.long_requests if name == "long" else args.requests
             wl = workloads.build(name, count, rates[name], max_output=args.max_output, seed=args.seed,
-                                 trace_start=args.trace_start, trace_chunk=args.trace_chunk)
+                                 trace_start=args.trace_start, trace_chunk=args.trace_chunk,
+                                 chat_turns=args.chat_turns, max_len=max_len)
             summary = wl.summary()
             summary["working_set_bytes"] = summary["working_set_blocks"] * bb
             summary["reusable"] = wl.reusable(args.vllm_blocks)

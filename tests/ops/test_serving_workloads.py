@@ -32,3 +32,11 @@ def test_chat_turns_after_a_long_think_time_need_a_second_cache():
     assert 0 < len(some) < len(wl.rows)
     assert set(some) <= set(range(len(wl.rows)))
     assert len(wl.reusable(10_000)) == 0
+
+
+def test_longer_conversations_and_clipping():
+    """More turns per conversation make more of the requests reusable; every request fits ``max_len``."""
+    four, eight = chat(128, 0.3), chat(128, 0.3, mean_turns=8, max_len=31 * 128)
+    assert len(eight.reusable(32)) > len(four.reusable(32))
+    assert max(r["input_length"] + r["output_length"] for r in eight.rows) <= 31 * 128
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // 128) for r in eight.rows)
