@@ -31,10 +31,10 @@ from typing import Any, Literal
 
 import torch
 
-from tierkv.client.paged.geometry import Geometry, as_layers, check_args, tok_head_dims
 from tierkv.client.paged.cpu import bits as _bits  # noqa: F401 - tierkv.integrations.vllm.pages uses it
 from tierkv.client.paged.cpu import copy_all as _copy_all  # noqa: F401 - as _bits
 from tierkv.client.paged.cpu import cpu_gather, cpu_scatter
+from tierkv.client.paged.geometry import Geometry, as_layers, check_args, tok_head_dims
 from tierkv.client.paged.kernel import (
     KernelPlan,
     _arg_arrays,  # noqa: F401 - the kernel's host-build tests use it
