@@ -35,6 +35,12 @@ MIB = 1 << 20
 LMCACHE_CHUNK = 256
 
 
+def max_request_len(vllm_blocks: int) -> int:
+    """The most tokens (prompt + output) a request may have so that vLLM's own cache of ``vllm_blocks``
+    128-token blocks holds it with a block to spare (vLLM refuses a request its cache cannot hold)."""
+    return min(MAX_MODEL_LEN, (vllm_blocks - 1) * 128)
+
+
 @dataclass
 class CappedServer(VllmServer):
     """:class:`VllmServer` with ``--max-model-len`` at most the model's context, and optionally another

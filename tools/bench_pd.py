@@ -26,6 +26,7 @@ from pathlib import Path
 
 import _serving_workloads as workloads
 from _demo_model import ensure_converted
+from _serving_configs import max_request_len
 from _serving_report import COLUMNS, _cell, _ratio, figures
 from bench_serving import add_run_args, block_bytes, run_one
 
@@ -80,7 +81,8 @@ def main() -> None:
     model = str(ensure_converted())
     bb = block_bytes(model)
     rate = {"chat": args.chat_rate, "trace": args.trace_rate, "long": args.long_rate}[args.workload]
-    wl = workloads.build(args.workload, args.requests, rate, max_output=args.max_output, seed=args.seed)
+    wl = workloads.build(args.workload, args.requests, rate, max_output=args.max_output, seed=args.seed,
+                         chat_turns=args.chat_turns, max_len=max_request_len(args.vllm_blocks))
     report: dict = {"args": vars(args), "block_bytes": bb, "workload": {"name": wl.name, **wl.summary()}, "runs": []}
     print(f"[{wl.name}] {len(wl.rows)} requests over {report['workload']['duration_s']:.0f} s", flush=True)
     # the host tier holds the working set and the greedy check's prompts (up to 16 blocks each)

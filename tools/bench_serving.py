@@ -138,7 +138,7 @@ def main() -> None:
     rates = {"trace": args.trace_rate, "chat": args.chat_rate, "long": args.long_rate}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-serving-"))
     report: dict = {"args": vars(args), "block_bytes": bb, "workloads": {}, "runs": []}
-    max_len = min(configs.MAX_MODEL_LEN, (args.vllm_blocks - 1) * 128)  # a request fits vLLM's own cache
+    max_len = configs.max_request_len(args.vllm_blocks)
     try:
         for name in names:
             count = args.long_requests if name == "long" else args.requests
