@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 import tierkv
@@ -70,6 +71,24 @@ def test_cost_model_picks_recompute_for_a_slow_tier(daemon):
         assert c.lookup_plan(keys[4:])["fetch"] == 4
         got = c.get_prefix(keys[4:])
         assert torch.equal(got.view(torch.int16), blocks[4:].view(torch.int16))
+
+
+def test_a_plan_gives_the_recompute_time_of_every_asked_block_held_or_not(daemon):
+    """Blocks no local tier holds (another node's, in the remote tier) still cost their recompute: the
+    plan's ``prefix_recompute_s`` covers every key asked, and says whether the speed is measured."""
+    keys, _ = _on_disk_only(daemon, 4, seed=4)
+    others = [bytes([200 + i]) * len(keys[0]) for i in range(6)]
+    with daemon.client(layout=BIG) as c:
+        plan = c.lookup_plan(keys + others)
+        curve = plan["prefix_recompute_s"]
+        assert plan["count"] == 4 and len(curve) == 10 and plan["recompute_source"] == "prior"
+        assert all(0 < a < b for a, b in zip(curve, curve[1:]))
+        assert curve[-1] > 10 / 4 * curve[3] * 0.99  # ten blocks cost at least 10/4 of four
+        for _ in range(3):
+            c.report_recompute(1000, 1.0)
+        plan = c.lookup_plan(keys + others)
+        assert plan["recompute_source"] == "measured"
+        assert plan["prefix_recompute_s"][0] == pytest.approx(BIG.block_tokens / 1000, rel=0.05)
 
 
 def test_loads_overtake_queued_stores(daemon):

@@ -14,10 +14,10 @@ import torch
 import tierkv
 from tests.helpers import wait_for
 from tests.integrations.test_vllm_plan import BT, LAYOUT, Cached, Req, Step, link, pages, prefill
-from tierkv.core.keys import Namespace
+from tierkv.core.keys import Namespace, chain_keys
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.pages import VllmPages
-from tierkv.integrations.vllm.plan import BlockIO, Planner, PrefillMeter
+from tierkv.integrations.vllm.plan import ASYNC_WAIT_MAX_S, ASYNC_WAIT_MIN_S, BlockIO, Planner, PrefillMeter
 from tierkv.integrations.vllm.transfer import Transfers
 
 NS = Namespace("vllm-plan", LAYOUT)
@@ -35,6 +35,13 @@ def _on_disk_only(daemon, tokens: list[int] = TOKENS, env: dict[str, str] | None
     daemon.start()
     assert daemon.stats()["tiers"]["host"]["blocks"] == 0
     return src
+
+
+def _measured(daemon, tokens_per_s: float) -> None:
+    """The engine reports its prefill speed, as the connector's meter does, until the daemon's cost
+    model counts it as measured."""
+    for _ in range(3):
+        link(daemon).call(lambda c: c.report_recompute(int(tokens_per_s), 1.0))
 
 
 def _park(planner: Planner, req: Req, block_ids: list[int]) -> BlockIO:
@@ -73,8 +80,29 @@ def test_a_prefix_only_on_disk_loads_asynchronously_and_exactly(daemon):
     assert c.hit_tokens == c.async_hit_tokens == 4 * BT and c.async_loads == 1 and c.load_s == 0.0
 
 
+def test_the_bound_is_the_ceiling_until_the_prefill_speed_is_measured_then_the_recompute_time(daemon):
+    """A fresh engine's daemon knows no prefill speed: a guessed one could cut a load that beats
+    recomputing, so the load may take the ceiling. Once measured, the bound is what recomputing the
+    prefix would take (within the floor and ceiling)."""
+    _on_disk_only(daemon)
+    planner = Planner.single(link(daemon), NS, BT)
+    assert _park(planner, Req("fresh", TOKENS), [0, 1, 2, 3, 4]).wait_s == ASYNC_WAIT_MAX_S
+    daemon.stop()  # the park started promoting the prefix: on disk only again
+    daemon.start()
+    assert daemon.stats()["tiers"]["host"]["blocks"] == 0
+    planner = Planner.single(link(daemon), NS, BT)
+    _measured(daemon, tokens_per_s=50)  # 4 blocks of 32 tokens: ~2.6 s to recompute
+    keys = chain_keys(NS.fingerprint, TOKENS[:4 * BT], BT, None)
+    plan = link(daemon).call(lambda c: c.lookup_plan(keys))
+    assert plan["recompute_source"] == "measured"
+    io = _park(planner, Req("slow", TOKENS), [5, 6, 7, 8, 9])
+    assert io.wait_s == pytest.approx(plan["prefix_recompute_s"][3])
+    assert ASYNC_WAIT_MIN_S < io.wait_s < ASYNC_WAIT_MAX_S
+
+
 def test_a_stalled_disk_ends_the_load_within_its_bound_and_vllm_recomputes(daemon):
     _on_disk_only(daemon, env={"TIERKV_FAULTS": "read:sleep=30"})
+    _measured(daemon, tokens_per_s=10_000)  # the bound: the floor
     planner = Planner.single(link(daemon), NS, BT)
     io = _park(planner, Req("stalled", TOKENS), [5, 6, 7, 8, 9])
     dst = pages(seed=13)

@@ -166,6 +166,7 @@ class CostModel:
         self._sec_per_token = 1.0 / _positive(recompute_tokens_per_s, "recompute_tokens_per_s")
         self._rc_sum = self._rc_w = 0.0
         self._rc_count = 0
+        self._rc_given = False
 
     @staticmethod
     def _tier(tier: Any) -> str:
@@ -207,6 +208,7 @@ class CostModel:
             self._sec_per_token = 1.0 / rate
             self._rc_sum = self._rc_w = 0.0
             self._rc_count = 0
+            self._rc_given = True
 
     # ----------------------------------------------------------------------------------- estimating
 
@@ -244,6 +246,24 @@ class CostModel:
         """Estimated prefill tokens/s at position 0."""
         with self._lock:
             return 1.0 / self._seconds_per_token()
+
+    def recompute_source(self) -> str:
+        """Where the recompute speed comes from: ``measured`` (observed prefills), ``engine`` (the engine's
+        own figure) or ``prior`` (the default; nothing known of this engine yet)."""
+        with self._lock:
+            return self._rc_source()
+
+    def _rc_source(self) -> str:
+        if self._rc_count >= max(1, self.min_observations):
+            return "measured"
+        return "engine" if self._rc_given else "prior"
+
+    def prefix_recompute_seconds(self, block_tokens: int, blocks: int) -> list[float]:
+        """Predicted seconds to prefill the first 1, 2, ... ``blocks`` blocks of a prompt."""
+        bt, n = _nonneg_int(block_tokens, "block_tokens"), _nonneg_int(blocks, "blocks")
+        with self._lock:
+            spt = self._seconds_per_token()
+        return [self._work((i + 1) * bt, 0) * spt for i in range(n)]
 
     def _seconds_per_token(self) -> float:
         if self._rc_count >= max(1, self.min_observations):
@@ -323,4 +343,5 @@ class CostModel:
                                "observations": fit.count if fit else 0, "source": source}
             return {"tiers": tiers, "recompute": {"tokens_per_s": 1.0 / self._seconds_per_token(),
                                                   "observations": self._rc_count,
+                                                  "source": self._rc_source(),
                                                   "attention_tokens": self.attention_tokens}}

@@ -329,7 +329,9 @@ class Client(Hints):
     def lookup_plan(self, keys: Sequence[bytes]) -> dict[str, Any]:
         """Per leading cached block: ``tiers``, ``ready`` (in host memory now), and ``fetch``: how many
         leading blocks are worth fetching rather than recomputing, from the daemon's measured tier
-        speeds and the recompute speed reported with :meth:`report_recompute`."""
+        speeds and the recompute speed reported with :meth:`report_recompute`; ``prefix_recompute_s``:
+        the seconds recomputing the first 1, 2, ... of ``keys`` would take, and ``recompute_source``:
+        ``measured``, ``engine`` or ``prior`` (the daemon's default: nothing reported yet)."""
         return self._call(Op.PLAN, {"keys": check_keys(keys)})
 
     def report_recompute(self, tokens: int, seconds: float) -> float:

@@ -283,8 +283,10 @@ class FetchPath:
         return budget - len(self._warm)
 
     def plan(self, s: Session, ns: Namespace, keys: list[bytes]) -> dict:
-        """Where each leading cached block is, whether it is ready in host memory, and how many leading
-        blocks are worth fetching rather than recomputing (from the measured cost model)."""
+        """Where each leading cached block is, whether it is ready in host memory, how many leading
+        blocks are worth fetching rather than recomputing (from the measured cost model), the seconds
+        recomputing the first 1, 2, ... of ``keys`` would take (held here or not: a remote tier's too)
+        and where that recompute speed comes from (``measured``, ``engine`` or ``prior``)."""
         with self.ctx.lock:
             found = self.table.prefix(s.fp, keys)
             tiers = [tier_of(b) for b in found]
@@ -302,4 +304,6 @@ class FetchPath:
             fetch += p.tokens // bt
         return {"count": len(tiers), "tiers": tiers, "ready": ready, "fetch": fetch,
                 "runs": [{"tier": p.tier, "blocks": p.tokens // bt, "fetch": p.fetch,
-                          "fetch_s": p.fetch_s, "recompute_s": p.recompute_s} for p in plans]}
+                          "fetch_s": p.fetch_s, "recompute_s": p.recompute_s} for p in plans],
+                "prefix_recompute_s": self.cost.prefix_recompute_seconds(bt, len(keys)),
+                "recompute_source": self.cost.recompute_source()}

@@ -6,7 +6,8 @@ remote tier loads asynchronously: the daemon starts promoting it at once, vLLM p
 (``WAITING_FOR_REMOTE_KVS``) and runs others, and the worker reports the request when its blocks are in
 vLLM's pages, or when the bound runs out (what arrived is used, vLLM recomputes the rest). The bound
 is the time recomputing the same tokens would take, by the daemon's cost model, so a load never makes
-a request wait longer than not having the cache would.
+a request wait longer than not having the cache would (until the engine's prefill speed is measured,
+a fixed ceiling).
 
 It knows vLLM only through a few attributes (a request's ``request_id``, ``all_token_ids``,
 ``num_tokens``, ``cache_salt``; a scheduler output's new and cached requests), does no I/O of its
@@ -382,17 +383,11 @@ class Planner:
 
 def _wait_bound(plan: dict[str, Any], n: int) -> float:
     """How long an asynchronous load of the first ``n`` blocks may take: the seconds recomputing them
-    would cost (the daemon's cost model; blocks past the plan's runs, in the remote tier, at the runs'
-    mean), within the fixed floor and ceiling."""
-    runs = plan.get("runs", [])
-    blocks = sum(int(r["blocks"]) for r in runs)
-    per_block = sum(float(r["recompute_s"]) for r in runs) / blocks if blocks else 0.0
-    recompute, counted = 0.0, 0
-    for run in runs:
-        take = min(int(run["blocks"]), n - counted)
-        if take <= 0:
-            break
-        recompute += float(run["recompute_s"]) * take / int(run["blocks"])
-        counted += take
-    recompute += per_block * max(0, n - counted)
+    would cost (the daemon's cost model), within the fixed floor and ceiling. Until the daemon knows this
+    engine's prefill speed (``recompute_source`` is ``prior``), the ceiling: a guessed speed could cut a
+    load that beats recomputing (a fresh decode instance's whole prompt from the remote tier)."""
+    if plan.get("recompute_source") == "prior":
+        return ASYNC_WAIT_MAX_S
+    curve = plan["prefix_recompute_s"]
+    recompute = float(curve[min(n, len(curve)) - 1]) if n > 0 and curve else 0.0
     return min(ASYNC_WAIT_MAX_S, max(ASYNC_WAIT_MIN_S, recompute))

@@ -116,6 +116,15 @@ class Transfers:
             log.warning("tierkv: %s failed (%s); later failures in the next %.0f s are only counted",
                         what, exc, WARN_EVERY_S)
 
+    def _short(self, o: Outcome) -> None:
+        """Log an asynchronous load that ended short (rate-limited like the warnings)."""
+        now = time.monotonic()
+        if now - self._warned.get("short", -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned["short"] = now
+            log.info("tierkv: an asynchronous load of %d blocks ended after %.2f s (bound %.2f s) with %d "
+                     "arrived; vLLM recomputes the rest", len(o.io.keys), o.seconds, o.io.wait_s or 0.0,
+                     o.arrived)
+
     def load(self, loads: Sequence[BlockIO]) -> None:
         """Copy each request's blocks from tierkv into vLLM's pages; blocks that cannot be loaded are
         remembered for :meth:`take_load_errors`."""
@@ -262,6 +271,8 @@ class Transfers:
         for o in self.take_outcomes():
             done.add(o.io.req_id)
             failed = o.io.block_ids[o.arrived:]
+            if failed:
+                self._short(o)
             self._errors.update(failed)
             self.counters.load_errors += len(failed)
             self.counters.async_hit_tokens += self.count_load(self.counters, o.io, o.arrived)
