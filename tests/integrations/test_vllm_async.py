@@ -17,7 +17,14 @@ from tests.integrations.test_vllm_plan import BT, LAYOUT, Cached, Req, Step, lin
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.pages import VllmPages
-from tierkv.integrations.vllm.plan import ASYNC_WAIT_MAX_S, ASYNC_WAIT_MIN_S, BlockIO, Planner, PrefillMeter
+from tierkv.integrations.vllm.plan import (
+    ASYNC_WAIT_MAX_S,
+    ASYNC_WAIT_MIN_S,
+    BlockIO,
+    PlanGroup,
+    Planner,
+    PrefillMeter,
+)
 from tierkv.integrations.vllm.transfer import Transfers
 
 NS = Namespace("vllm-plan", LAYOUT)
@@ -98,6 +105,25 @@ def test_the_bound_is_the_ceiling_until_the_prefill_speed_is_measured_then_the_r
     io = _park(planner, Req("slow", TOKENS), [5, 6, 7, 8, 9])
     assert io.wait_s == pytest.approx(plan["prefix_recompute_s"][3])
     assert ASYNC_WAIT_MIN_S < io.wait_s < ASYNC_WAIT_MAX_S
+
+
+def test_a_prefix_in_host_memory_longer_than_the_sync_limit_loads_beside_the_step_and_exactly(daemon):
+    """Up to ``sync_load_blocks`` a prefix in host memory is copied inside the step; a longer one loads
+    beside it (its copy would stall every request of the batch), the same bytes."""
+    src = pages(seed=17)
+    _, plan = prefill(Planner.single(link(daemon), NS, BT), Req("first", TOKENS), [0, 1, 2, 3, 4])
+    Transfers(link(daemon), src).store(plan.stores)
+    assert Planner([PlanGroup(link(daemon), NS)], BT, sync_load_blocks=4).matched_tokens(
+        Req("short", TOKENS), 0) == (4 * BT, False)
+    io = _park(Planner([PlanGroup(link(daemon), NS)], BT, sync_load_blocks=3), Req("long", TOKENS),
+               [9, 10, 11, 12, 13])
+    dst = pages(seed=18)
+    t = Transfers(link(daemon), dst, async_link=link(daemon))
+    t.start_async([io])
+    done, errors, _ = _done(t)
+    assert done == {"long"} and not errors
+    for a, b in zip([0, 1, 2, 3], [9, 10, 11, 12]):
+        assert all(torch.equal(s[a], d[b]) for s, d in zip(src.caches, dst.caches))
 
 
 def test_a_stalled_disk_ends_the_load_within_its_bound_and_vllm_recomputes(daemon):

@@ -1,8 +1,9 @@
 """The scheduler side of the vLLM connector as plain code: which blocks a request loads from tierkv,
 whether the load runs inside the step or beside it, and which blocks each step stores.
 
-A prefix all in host memory loads inside the step (one copy). One that is partly on disk or in the
-remote tier loads asynchronously: the daemon starts promoting it at once, vLLM parks the request
+A prefix all in host memory loads inside the step (one copy), unless it is longer than
+``sync_load_blocks``. One that is partly on disk or in the remote tier, or that long, loads
+asynchronously: the daemon starts promoting it at once, vLLM parks the request
 (``WAITING_FOR_REMOTE_KVS``) and runs others, and the worker reports the request when its blocks are in
 vLLM's pages, or when the bound runs out (what arrived is used, vLLM recomputes the rest). The bound
 is the time recomputing the same tokens would take, by the daemon's cost model, so a load never makes
@@ -154,10 +155,12 @@ class Planner:
         block_tokens: vLLM's block size, also tierkv's block size.
         stores: plan stores (False for a ``kv_consumer``, which only loads).
         null_block: vLLM's null block id (a sliding-window group's blocks outside the window).
+        sync_load_blocks: the most blocks a prefix in host memory copies inside the step; a longer one
+            loads beside it, so its copy does not stall the batch's decode (None: every one inside).
     """
 
     def __init__(self, groups: Sequence[PlanGroup], block_tokens: int, stores: bool = True,
-                 null_block: int = 0) -> None:
+                 null_block: int = 0, sync_load_blocks: int | None = None) -> None:
         if not groups:
             raise ValueError("a planner needs at least one KV cache group")
         self.groups = list(groups)
@@ -166,6 +169,7 @@ class Planner:
         self.fingerprint = self.groups[0].namespace.fingerprint
         self.block_tokens = block_tokens
         self.null_block = null_block
+        self.sync_load_blocks = sync_load_blocks
         self._specs = [g.spec or GroupSpec(i, "full", g.namespace.layout, ()) for i, g in enumerate(self.groups)]
         self._windowed = any(s.reach is not None for s in self._specs)
         self.whole_requests = len(self.groups) > 1 or self._windowed  # loads fail per request, never per block
@@ -264,7 +268,8 @@ class Planner:
             flags = list(plan["ready"]) + [False] * (n - local)  # remote blocks are never ready
             if st.waited:  # its asynchronous load ended short: load what is in host memory now, if any
                 return next((i for i in range(first, n) if not flags[i]), n)
-            ready = all(flags[first:n])
+            # a long copy from host memory goes beside the step too: inside, every request would wait for it
+            ready = all(flags[first:n]) and (self.sync_load_blocks is None or n - first <= self.sync_load_blocks)
         if not ready or self.whole_requests:
             # recomputing the load's blocks: a prefix from block 0, a window's from ``first``
             st.wait_s = _wait_bound(plans[0], n if starts[0] == 0 else n - first)
