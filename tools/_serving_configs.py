@@ -95,16 +95,20 @@ def _vllm(server: VllmServer) -> Iterator[VllmServer]:
 
 @contextlib.contextmanager
 def start(name: str, model_dir: str, work: Path, *, host_bytes: int, disk_bytes: int,
-          vllm_blocks: int) -> Iterator[VllmServer]:
-    """Run configuration ``name`` (one of :data:`NAMES`) until the block exits."""
+          vllm_blocks: int, tierkv_extra: dict | None = None) -> Iterator[VllmServer]:
+    """Run configuration ``name`` (one of :data:`NAMES`) until the block exits; ``tierkv_extra``: more
+    ``kv_connector_extra_config`` for tierkv's connector."""
     work.mkdir(parents=True, exist_ok=True)
     common = dict(log_path=work / "vllm.log", num_blocks=vllm_blocks)
     if name == "vllm":
         with _vllm(CappedServer(model_dir, None, **common)) as s:
             yield s
     elif name == "tierkv":
-        with _daemon(work, host_bytes, disk_bytes) as sock, _vllm(CappedServer(model_dir, sock, **common)) as s:
-            yield s
+        kv = connector_config(None)
+        with _daemon(work, host_bytes, disk_bytes) as sock:
+            kv["kv_connector_extra_config"] = {"socket": sock, **(tierkv_extra or {})}
+            with _vllm(CappedServer(model_dir, None, connector=kv, **common)) as s:
+                yield s
     elif name == "pd":
         with _daemon(work, host_bytes, disk_bytes) as sock, _pd(model_dir, sock, work, vllm_blocks) as s:
             yield s

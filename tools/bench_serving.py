@@ -74,7 +74,9 @@ def run_one(cfg: str, wl: workloads.Workload, pressure: str, args: argparse.Name
     t0 = time.monotonic()
     print(f"[{wl.name}/{pressure}/{cfg}] host tier {host / 1e9:.2f} GB, starting ...", flush=True)
     try:
-        with configs.start(cfg, model, run, host_bytes=host, disk_bytes=disk, vllm_blocks=args.vllm_blocks) as server:
+        extra = {} if args.sync_load_mib is None else {"sync_load_max_mib": args.sync_load_mib}
+        with configs.start(cfg, model, run, host_bytes=host, disk_bytes=disk, vllm_blocks=args.vllm_blocks,
+                           tierkv_extra=extra) as server:
             out["start_s"] = time.monotonic() - t0
             out["client"] = run_client(server.url, model, server.name, wl, run / "trace.jsonl",
                                        run / "result.json", run / "client.log")
@@ -118,6 +120,7 @@ def add_run_args(ap: argparse.ArgumentParser, *, chat_rate: float, check_prompts
                     help="vLLM's own KV cache per instance, 128-token blocks (requests clipped to one block less)")
     ap.add_argument("--check-prompts", type=int, default=check_prompts, help="fixed prompts of the greedy check")
     ap.add_argument("--check-tokens", type=int, default=24, help="greedy reply tokens per check prompt")
+    ap.add_argument("--sync-load-mib", type=float, help="tierkv: the connector's sync_load_max_mib (default: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", help="folder for logs and tiers (default: a temporary one, removed at the end)")
     ap.add_argument("--out", default=out)

@@ -326,8 +326,8 @@ def test_starting_a_running_vllm_server_again_starts_no_second_one(tmp_path):
 
 def test_the_sync_load_limit_is_read_from_the_extra_config_and_checked():
     connector = pytest.importorskip("tierkv.integrations.vllm.connector")
-    assert connector._sync_load_blocks({}, 2**20) == 128
+    assert connector._sync_load_blocks({}, 2**20) is None  # every prefix in host memory inside the step
     assert connector._sync_load_blocks({"sync_load_max_mib": 0.5}, 2**18) == 2
-    for bad in (-1, "big", True, float("nan"), None):
+    for bad in (-1, "big", True, float("nan")):
         with pytest.raises(ValueError, match="sync_load_max_mib"):
             connector._sync_load_blocks({"sync_load_max_mib": bad}, 2**20)

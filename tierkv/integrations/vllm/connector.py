@@ -9,7 +9,7 @@ Load it with::
 ``kv_connector_extra_config`` keys: ``socket`` (the daemon's socket; default the client's default),
 ``model_id`` (the namespace's model name; default the model directory's name or the hub id),
 ``sync_load_max_mib`` (a cached prefix in host memory up to this size is copied inside the step, a
-longer one beside it, as a prefix on disk is; default 128).
+longer one beside it, as a prefix on disk is; default: no limit).
 
 ``kv_role`` (:class:`~tierkv.integrations.vllm.plan.Role`): ``kv_both`` loads and stores, committing
 behind the step; ``kv_producer`` (a prefill instance) stores every full block of the prompt, vLLM's
@@ -86,12 +86,12 @@ def _model_id(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
     return path.name if path.is_dir() else model
 
 
-SYNC_LOAD_MAX_MIB = 128.0  # default: longer prefixes in host memory load beside the step
-
-
-def _sync_load_blocks(extra: dict[str, Any], block_bytes: int) -> int:
-    """The most blocks a prefix in host memory copies inside the step (``sync_load_max_mib``)."""
-    mib = extra.get("sync_load_max_mib", SYNC_LOAD_MAX_MIB)
+def _sync_load_blocks(extra: dict[str, Any], block_bytes: int) -> int | None:
+    """The most blocks a prefix in host memory copies inside the step (``sync_load_max_mib``; absent or
+    None: no limit)."""
+    mib = extra.get("sync_load_max_mib")
+    if mib is None:
+        return None
     if isinstance(mib, bool) or not isinstance(mib, int | float) or not mib >= 0:
         raise ValueError(f"kv_connector_extra_config sync_load_max_mib must be a number >= 0, got {mib!r}")
     return int(mib * 2**20) // block_bytes
