@@ -104,8 +104,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--long-requests", type=int, default=60, help="requests of the long workload")
     ap.add_argument("--trace-start", type=int, default=workloads.TRACE_START, help="trace: first row of the window")
     ap.add_argument("--trace-chunk", type=int, default=16, help="trace: tokens per 512-token id")
+    ap.add_argument("--sync-load-mib", type=float, help="tierkv: the connector's sync_load_max_mib (default: none)")
     add_run_args(ap, chat_rate=0.15, check_prompts=5, out="bench-results/bench_serving.json")
     return ap.parse_args()
+
+
+def _turns(text: str) -> float:
+    try:
+        turns = float(text)
+    except ValueError:
+        turns = 0.0
+    if not turns >= 1:
+        raise argparse.ArgumentTypeError(f"a mean of at least 1 turn per conversation, got {text!r}")
+    return turns
 
 
 def add_run_args(ap: argparse.ArgumentParser, *, chat_rate: float, check_prompts: int, out: str) -> None:
@@ -113,14 +124,13 @@ def add_run_args(ap: argparse.ArgumentParser, *, chat_rate: float, check_prompts
     greedy check, seed, work folder, output and ``--report``."""
     ap.add_argument("--trace-rate", type=float, default=0.25, help="trace: mean requests/s (the clock stretched)")
     ap.add_argument("--chat-rate", type=float, default=chat_rate, help="chat: mean requests/s")
-    ap.add_argument("--chat-turns", type=float, default=4.0, help="chat: mean turns per conversation")
+    ap.add_argument("--chat-turns", type=_turns, default=4.0, help="chat: mean turns per conversation (>= 1)")
     ap.add_argument("--long-rate", type=float, default=0.04, help="long: requests/s")
     ap.add_argument("--max-output", type=int, default=16, help="output tokens per request, at most")
     ap.add_argument("--vllm-blocks", type=int, default=65,
                     help="vLLM's own KV cache per instance, 128-token blocks (requests clipped to one block less)")
     ap.add_argument("--check-prompts", type=int, default=check_prompts, help="fixed prompts of the greedy check")
     ap.add_argument("--check-tokens", type=int, default=24, help="greedy reply tokens per check prompt")
-    ap.add_argument("--sync-load-mib", type=float, help="tierkv: the connector's sync_load_max_mib (default: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", help="folder for logs and tiers (default: a temporary one, removed at the end)")
     ap.add_argument("--out", default=out)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from _serving_workloads import Workload, chat
 
 
@@ -40,3 +44,10 @@ def test_longer_conversations_and_clipping():
     assert len(eight.reusable(32)) > len(four.reusable(32))
     assert max(r["input_length"] + r["output_length"] for r in eight.rows) <= 31 * 128
     assert all(len(r["hash_ids"]) == -(-r["input_length"] // 128) for r in eight.rows)
+
+
+def test_the_benchmark_refuses_fewer_than_one_turn_per_conversation_in_one_line():
+    tool = Path(__file__).resolve().parents[2] / "tools" / "bench_serving.py"
+    out = subprocess.run([sys.executable, str(tool), "--chat-turns", "0.5"], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "at least 1 turn per conversation" in out.stderr
