@@ -87,16 +87,31 @@ def test_a_prefix_only_on_disk_loads_asynchronously_and_exactly(daemon):
     assert c.hit_tokens == c.async_hit_tokens == 4 * BT and c.async_loads == 1 and c.load_s == 0.0
 
 
+def _restarted(daemon) -> None:
+    """A park started promoting the prefix: restart so that it is on disk only again."""
+    daemon.stop()
+    daemon.start()
+    assert daemon.stats()["tiers"]["host"]["blocks"] == 0
+
+
 def test_the_bound_is_the_ceiling_until_the_prefill_speed_is_measured_then_the_recompute_time(daemon):
     """A fresh engine's daemon knows no prefill speed: a guessed one could cut a load that beats
-    recomputing, so the load may take the ceiling. Once measured, the bound is what recomputing the
-    prefix would take (within the floor and ceiling)."""
+    recomputing, so the load may take the ceiling; a scheduler that measured the engine itself (the
+    daemon restarted) bounds it by that speed. Once the daemon has the speed, the bound is what
+    recomputing the prefix would take by its cost model (within the floor and ceiling)."""
     _on_disk_only(daemon)
     planner = Planner.single(link(daemon), NS, BT)
     assert _park(planner, Req("fresh", TOKENS), [0, 1, 2, 3, 4]).wait_s == ASYNC_WAIT_MAX_S
-    daemon.stop()  # the park started promoting the prefix: on disk only again
-    daemon.start()
-    assert daemon.stats()["tiers"]["host"]["blocks"] == 0
+    _restarted(daemon)
+    now = [0.0]
+    meter = PrefillMeter(lambda tokens, seconds: None, min_tokens=1, clock=lambda: now[0])
+    meter.step({"r": 100})
+    now[0] = 2.0
+    meter.step({"r": 1})  # 100 tokens in 2 s, not reported to the daemon
+    assert meter.tokens_per_s() == 50.0
+    planner = Planner([PlanGroup(link(daemon), NS)], BT, meter=meter)
+    assert _park(planner, Req("metered", TOKENS), [0, 1, 2, 3, 4]).wait_s == pytest.approx(4 * BT / 50.0)
+    _restarted(daemon)
     planner = Planner.single(link(daemon), NS, BT)
     _measured(daemon, tokens_per_s=50)  # 4 blocks of 32 tokens: ~2.6 s to recompute
     keys = chain_keys(NS.fingerprint, TOKENS[:4 * BT], BT, None)

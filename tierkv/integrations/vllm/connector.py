@@ -133,12 +133,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._transfers: GroupTransfers | None = None
         if role == KVConnectorRole.SCHEDULER and self._groups:
             layout = self._groups[0].layout
-            self._planner = Planner([self._plan_group(i) for i in range(len(self._groups))],
-                                    layout.block_tokens, stores=self._kv_role.stores,
-                                    sync_load_blocks=_sync_load_blocks(extra, layout.block_bytes))
-            link = self._planner.link
+            groups = [self._plan_group(i) for i in range(len(self._groups))]
+            link = groups[0].link
             self._meter = PrefillMeter(lambda tokens, seconds: link.call(
                 lambda c: c.report_recompute(tokens, seconds)))
+            self._planner = Planner(groups, layout.block_tokens, stores=self._kv_role.stores,
+                                    sync_load_blocks=_sync_load_blocks(extra, layout.block_bytes), meter=self._meter)
             log.info("tierkv: serving %s", "; ".join(_describe(g, m) for g, m in zip(self._groups, self._models)))
 
     def _plan_group(self, i: int) -> PlanGroup:

@@ -25,7 +25,12 @@ class PrefillMeter:
         self.report, self.min_tokens, self.every_s, self.clock = report, min_tokens, every_s, clock
         self._last: tuple[float, int, set[str]] | None = None
         self._tokens, self._seconds = 0, 0.0
+        self._all_tokens, self._all_seconds = 0, 0.0
         self._next = clock() + every_s
+
+    def tokens_per_s(self) -> float | None:
+        """Prefill tokens/s over every step measured so far, reported or not (None: none yet)."""
+        return self._all_tokens / self._all_seconds if self._all_seconds > 0 else None
 
     def step(self, scheduled: dict[str, int]) -> None:
         """One step was scheduled with ``scheduled`` tokens per request id."""
@@ -34,6 +39,8 @@ class PrefillMeter:
         if last is not None and last[1] >= self.min_tokens and last[2] & scheduled.keys():
             self._tokens += last[1]
             self._seconds += now - last[0]
+            self._all_tokens += last[1]
+            self._all_seconds += now - last[0]
         self._last = (now, sum(scheduled.values()), set(scheduled))
         if now >= self._next and self._tokens and self._seconds > 0:
             tokens, seconds = self._tokens, self._seconds

@@ -157,10 +157,13 @@ class Planner:
         null_block: vLLM's null block id (a sliding-window group's blocks outside the window).
         sync_load_blocks: the most blocks a prefix in host memory copies inside the step; a longer one
             loads beside it, so its copy does not stall the batch's decode (None: every one inside).
+        meter: the engine's prefill speed as this scheduler measured it, for loads' bounds while the
+            daemon knows none (a daemon just restarted).
     """
 
     def __init__(self, groups: Sequence[PlanGroup], block_tokens: int, stores: bool = True,
-                 null_block: int = 0, sync_load_blocks: int | None = None) -> None:
+                 null_block: int = 0, sync_load_blocks: int | None = None,
+                 meter: PrefillMeter | None = None) -> None:
         if not groups:
             raise ValueError("a planner needs at least one KV cache group")
         self.groups = list(groups)
@@ -170,6 +173,7 @@ class Planner:
         self.block_tokens = block_tokens
         self.null_block = null_block
         self.sync_load_blocks = sync_load_blocks
+        self.meter = meter
         self._specs = [g.spec or GroupSpec(i, "full", g.namespace.layout, ()) for i, g in enumerate(self.groups)]
         self._windowed = any(s.reach is not None for s in self._specs)
         self.whole_requests = len(self.groups) > 1 or self._windowed  # loads fail per request, never per block
@@ -272,7 +276,8 @@ class Planner:
             ready = all(flags[first:n]) and (self.sync_load_blocks is None or n - first <= self.sync_load_blocks)
         if not ready or self.whole_requests:
             # recomputing the load's blocks: a prefix from block 0, a window's from ``first``
-            st.wait_s = _wait_bound(plans[0], n if starts[0] == 0 else n - first)
+            rate = self.meter.tokens_per_s() if self.meter is not None else None
+            st.wait_s = _wait_bound(plans[0], n if starts[0] == 0 else n - first, self.block_tokens, rate)
             for g in range(len(self.groups)):
                 if self._ask(g, lambda c, g=g: c.prefetch(keys[g][max(starts[g], first):n])) is None:
                     return 0
@@ -386,13 +391,18 @@ class Planner:
         return len(self._reqs)
 
 
-def _wait_bound(plan: dict[str, Any], n: int) -> float:
+def _wait_bound(plan: dict[str, Any], n: int, block_tokens: int, tokens_per_s: float | None = None) -> float:
     """How long an asynchronous load of the first ``n`` blocks may take: the seconds recomputing them
-    would cost (the daemon's cost model), within the fixed floor and ceiling. Until the daemon knows this
-    engine's prefill speed (``recompute_source`` is ``prior``), the ceiling: a guessed speed could cut a
-    load that beats recomputing (a fresh decode instance's whole prompt from the remote tier)."""
+    would cost, within the fixed floor and ceiling. The daemon's cost model gives them; where it knows no
+    prefill speed of this engine (``recompute_source`` is ``prior``: nothing reported yet, or a daemon
+    just restarted), the speed this scheduler measured (``tokens_per_s``), and without that the ceiling:
+    a guessed speed could cut a load that beats recomputing (a fresh decode instance's whole prompt from
+    the remote tier)."""
     if plan.get("recompute_source") == "prior":
-        return ASYNC_WAIT_MAX_S
-    curve = plan["prefix_recompute_s"]
-    recompute = float(curve[min(n, len(curve)) - 1]) if n > 0 and curve else 0.0
+        if not tokens_per_s:
+            return ASYNC_WAIT_MAX_S
+        recompute = n * block_tokens / tokens_per_s
+    else:
+        curve = plan["prefix_recompute_s"]
+        recompute = float(curve[min(n, len(curve)) - 1]) if n > 0 and curve else 0.0
     return min(ASYNC_WAIT_MAX_S, max(ASYNC_WAIT_MIN_S, recompute))
