@@ -16,15 +16,9 @@ from tests.helpers import wait_for
 from tests.integrations.test_vllm_plan import BT, LAYOUT, Cached, Req, Step, link, pages, prefill
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.integrations.vllm.committer import StoreCommitter
+from tierkv.integrations.vllm.meter import ASYNC_WAIT_MAX_S, ASYNC_WAIT_MIN_S
 from tierkv.integrations.vllm.pages import VllmPages
-from tierkv.integrations.vllm.plan import (
-    ASYNC_WAIT_MAX_S,
-    ASYNC_WAIT_MIN_S,
-    BlockIO,
-    PlanGroup,
-    Planner,
-    PrefillMeter,
-)
+from tierkv.integrations.vllm.plan import BlockIO, PlanGroup, Planner, PrefillMeter
 from tierkv.integrations.vllm.transfer import Transfers
 
 NS = Namespace("vllm-plan", LAYOUT)

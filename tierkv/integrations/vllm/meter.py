@@ -1,11 +1,16 @@
-"""The engine's prefill speed as the scheduler sees it, for the daemon's cost model."""
+"""The engine's prefill speed as the scheduler sees it, for the daemon's cost model, and the bound it
+sets on an asynchronous load."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["PrefillMeter"]
+__all__ = ["ASYNC_WAIT_MAX_S", "ASYNC_WAIT_MIN_S", "PrefillMeter", "wait_bound"]
+
+ASYNC_WAIT_MIN_S = 0.5   # the least an asynchronous load may take (a disk read of a few blocks)
+ASYNC_WAIT_MAX_S = 30.0  # the most, whatever the cost model says
 
 
 class PrefillMeter:
@@ -47,3 +52,20 @@ class PrefillMeter:
             self._tokens, self._seconds = 0, 0.0
             self._next = now + self.every_s
             self.report(tokens, seconds)
+
+
+def wait_bound(plan: dict[str, Any], n: int, block_tokens: int, tokens_per_s: float | None = None) -> float:
+    """How long an asynchronous load of the first ``n`` blocks may take: the seconds recomputing them
+    would cost, within the fixed floor and ceiling. The daemon's cost model gives them; where it knows no
+    prefill speed of this engine (``recompute_source`` is ``prior``: nothing reported yet, or a daemon
+    just restarted), the speed this scheduler measured (``tokens_per_s``), and without that the ceiling:
+    a guessed speed could cut a load that beats recomputing (a fresh decode instance's whole prompt from
+    the remote tier)."""
+    if plan.get("recompute_source") == "prior":
+        if not tokens_per_s:
+            return ASYNC_WAIT_MAX_S
+        recompute = n * block_tokens / tokens_per_s
+    else:
+        curve = plan["prefix_recompute_s"]
+        recompute = float(curve[min(n, len(curve)) - 1]) if n > 0 and curve else 0.0
+    return min(ASYNC_WAIT_MAX_S, max(ASYNC_WAIT_MIN_S, recompute))

@@ -30,13 +30,10 @@ from tierkv.core.errors import TierKVError
 from tierkv.core.keys import KEY_BYTES, Namespace, chain_keys
 from tierkv.integrations.vllm.groups import GroupSpec, find_hit
 from tierkv.integrations.vllm.link import Link
-from tierkv.integrations.vllm.meter import PrefillMeter
+from tierkv.integrations.vllm.meter import PrefillMeter, wait_bound
 from tierkv.integrations.vllm.ranks import ask_ranks, finished, merge_plans
 
 __all__ = ["BlockIO", "PlanGroup", "Planner", "PrefillMeter", "StepPlan", "salt_root"]
-
-ASYNC_WAIT_MIN_S = 0.5   # the least an asynchronous load may take (a disk read of a few blocks)
-ASYNC_WAIT_MAX_S = 30.0  # the most, whatever the cost model says
 
 
 def salt_root(fingerprint: bytes, salt: str | None) -> bytes | None:
@@ -277,7 +274,7 @@ class Planner:
         if not ready or self.whole_requests:
             # recomputing the load's blocks: a prefix from block 0, a window's from ``first``
             rate = self.meter.tokens_per_s() if self.meter is not None else None
-            st.wait_s = _wait_bound(plans[0], n if starts[0] == 0 else n - first, self.block_tokens, rate)
+            st.wait_s = wait_bound(plans[0], n if starts[0] == 0 else n - first, self.block_tokens, rate)
             for g in range(len(self.groups)):
                 if self._ask(g, lambda c, g=g: c.prefetch(keys[g][max(starts[g], first):n])) is None:
                     return 0
@@ -390,19 +387,3 @@ class Planner:
     def __len__(self) -> int:
         return len(self._reqs)
 
-
-def _wait_bound(plan: dict[str, Any], n: int, block_tokens: int, tokens_per_s: float | None = None) -> float:
-    """How long an asynchronous load of the first ``n`` blocks may take: the seconds recomputing them
-    would cost, within the fixed floor and ceiling. The daemon's cost model gives them; where it knows no
-    prefill speed of this engine (``recompute_source`` is ``prior``: nothing reported yet, or a daemon
-    just restarted), the speed this scheduler measured (``tokens_per_s``), and without that the ceiling:
-    a guessed speed could cut a load that beats recomputing (a fresh decode instance's whole prompt from
-    the remote tier)."""
-    if plan.get("recompute_source") == "prior":
-        if not tokens_per_s:
-            return ASYNC_WAIT_MAX_S
-        recompute = n * block_tokens / tokens_per_s
-    else:
-        curve = plan["prefix_recompute_s"]
-        recompute = float(curve[min(n, len(curve)) - 1]) if n > 0 and curve else 0.0
-    return min(ASYNC_WAIT_MAX_S, max(ASYNC_WAIT_MIN_S, recompute))
