@@ -86,6 +86,29 @@ def test_shadow_follows_lru_where_recency_wins():
     assert shadowed >= lru - 0.01 and shadowed > alone
 
 
+def test_a_tier_that_follows_lru_still_takes_chains_from_the_tail():
+    """In LRU order a chain's head is the oldest block (it is used first): following LRU, the tier
+    still takes each chain's blocks from the tail, oldest chain first, so every chain keeps a prefix."""
+    def wrong(key):
+        return 0.05 if key % 2 else 1.0
+
+    clock = Clock()
+    policy = attention(clock, reuse=wrong, shadow_rate=1.0)
+    hit_rate(policy, recency_refs(3000, 40), 90, clock)
+    assert policy.follows_lru
+    for key in list(policy._recent):
+        policy.on_remove(key)
+    for chain in (100_000, 200_000):  # two chains of 4, the first used longer ago
+        for i in range(4):
+            clock.now += 1.0
+            policy.on_insert(chain + i, 1, parent=chain + i - 1 if i else None)
+            policy.on_access(chain + i)
+    assert policy.victims(1) == [100_003]
+    assert policy.victims(6) == [100_003, 100_002, 100_001, 100_000, 200_003, 200_002]
+    assert policy.victims(2, lambda k: k == 100_003) == [200_003, 200_002]  # a held tail keeps its chain
+    assert policy.victims(9) is None
+
+
 def test_shadow_keeps_the_learned_order_where_frequency_wins():
     refs, blocks = frequency_refs(3000, 30), 40
     lru = hit_rate(make_policy("lru", clock=Clock()), refs, blocks, Clock())

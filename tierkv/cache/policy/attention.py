@@ -33,8 +33,8 @@ With ``shadow_rate`` > 0 the policy never trails plain recency for long: a
 :class:`~tierkv.cache.policy.shadow.Shadow` runs this score and LRU side by side on a hash sample of
 the branches (:meth:`~tierkv.cache.reuse.history.History.branch`: a sampled branch is seen whole,
 so the orders are compared on the prefixes they keep; ``shadow_rate`` of them, at that fraction of
-the tier's bytes), and while LRU is the one hitting more there, the tier evicts in LRU order (the score is kept up to date all the while, so it
-takes over again as soon as it leads). A tier where the score wins evicts exactly as without it.
+the tier's bytes), and while LRU is the one hitting more there, the tier evicts in LRU order, still
+tails first (the score is kept up to date all the while, so it takes over again as soon as it leads). A tier where the score wins evicts exactly as without it.
 Use counts and depths live in a :class:`~tierkv.cache.reuse.history.History` that may be shared by
 the policies of all tiers, so heat survives demotion and re-fetch.
 """
@@ -47,6 +47,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from tierkv.cache.policy.base import HeapPolicy, Protected, Setting, never, register, walk_victims
+from tierkv.cache.policy.chains import walk_tails_in_order
 from tierkv.cache.policy.lru import LRUPolicy
 from tierkv.cache.policy.shadow import Shadow
 from tierkv.cache.reuse.history import History, Record, decayed
@@ -324,7 +325,10 @@ class AttentionPolicy(HeapPolicy):
         if shadow.leader == 0:
             return super().victims(nbytes, protected)
         size = self._size
-        chosen = walk_victims([((k, size[k]) for k in self._recent)], nbytes, protected)
+        if self.tails_first:  # LRU order among the chains' tails: a chain keeps its head
+            chosen = walk_tails_in_order(self._recent, size, self._kids, self._parent, nbytes, protected)
+        else:
+            chosen = walk_victims([((k, size[k]) for k in self._recent)], nbytes, protected)
         if chosen is not None:
             self._last_victims = set(chosen)
         return chosen
