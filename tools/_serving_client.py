@@ -21,7 +21,8 @@ COUNTERS = ("vllm:prompt_tokens", "vllm:prefix_cache_queries", "vllm:prefix_cach
             "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits", "vllm:tierkv_hit_tokens",
             "vllm:generation_tokens", "vllm:num_preemptions", "vllm:tierkv_store_seconds",
             "vllm:tierkv_store_steps", "vllm:tierkv_async_loads", "vllm:tierkv_load_errors",
-            "vllm:tierkv_store_skipped")
+            "vllm:tierkv_store_skipped", "vllm:tierkv_load_seconds", "vllm:tierkv_load_steps",
+            "vllm:tierkv_load_bytes")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -79,6 +79,7 @@ def test_a_prefix_only_on_disk_loads_asynchronously_and_exactly(daemon):
         assert all(torch.equal(s[a], d[b]) for s, d in zip(src.caches, dst.caches))
     c = t.take_counters()
     assert c.hit_tokens == c.async_hit_tokens == 4 * BT and c.async_loads == 1 and c.load_s == 0.0
+    assert c.load_steps == 0  # nothing loaded inside a step
 
 
 def _restarted(daemon) -> None:

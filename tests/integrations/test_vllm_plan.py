@@ -102,7 +102,8 @@ def test_a_prefill_stores_full_blocks_and_a_second_request_loads_them_identicall
     assert not t.take_load_errors()
     for a, b in ((4, 1), (9, 3), (2, 5)):
         assert all(torch.equal(s[a], d[b]) for s, d in zip(src.caches, dst.caches))
-    assert t.take_counters().hit_tokens == 3 * BT
+    c = t.take_counters()
+    assert c.hit_tokens == 3 * BT and c.load_steps == 1 and 0 < c.load_max_s <= c.load_s
 
 
 def test_roles_a_consumer_only_loads_and_a_producer_stores_its_whole_prompt(daemon):

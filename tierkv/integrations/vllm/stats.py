@@ -18,7 +18,8 @@ _PROM = {
     "hit_tokens": ("vllm:tierkv_hit_tokens", "Prompt tokens whose KV tierkv served into vLLM."),
     "stored_tokens": ("vllm:tierkv_stored_tokens", "Tokens whose KV vLLM handed to tierkv."),
     "new_blocks": ("vllm:tierkv_new_blocks", "Blocks stored that tierkv did not hold yet."),
-    "load_s": ("vllm:tierkv_load_seconds", "Seconds spent loading KV from tierkv."),
+    "load_s": ("vllm:tierkv_load_seconds", "Seconds spent loading KV from tierkv inside steps."),
+    "load_steps": ("vllm:tierkv_load_steps", "Steps that loaded KV from tierkv inside the step."),
     "store_s": ("vllm:tierkv_store_seconds", "Seconds spent storing KV into tierkv."),
     "load_errors": ("vllm:tierkv_load_errors", "Blocks that could not be loaded (vLLM recomputed them)."),
     "store_errors": ("vllm:tierkv_store_errors", "Blocks that could not be stored (daemon absent or failing)."),
@@ -61,6 +62,7 @@ class TierKVConnectorStats(KVConnectorStats):
         per_step = c.store_s / c.store_steps if c.store_steps else 0.0
         return {"hit_tokens": c.hit_tokens, "async_hit_tokens": c.async_hit_tokens,
                 "stored_tokens": c.stored_tokens, "load_ms": round(c.load_s * 1e3, 1),
+                "load_max_ms": round(c.load_max_s * 1e3, 1),
                 "store_ms": round(c.store_s * 1e3, 1), "store_ms_per_step": round(per_step * 1e3, 2),
                 "store_max_ms": round(c.store_max_s * 1e3, 1), "load_errors": c.load_errors,
                 "store_errors": c.store_errors, "store_skipped": c.store_skipped,

@@ -50,6 +50,8 @@ class Counters:
     new_blocks: int = 0          # of those, blocks tierkv did not hold yet
     store_deduplicated: int = 0  # blocks not handed over: tierkv held them (not copied; a use each)
     load_s: float = 0.0          # inside steps (synchronous loads)
+    load_steps: int = 0          # steps that loaded something inside the step
+    load_max_s: float = 0.0      # the longest load of one step (kept as a maximum, not summed)
     store_s: float = 0.0         # inside steps
     load_errors: int = 0         # blocks vLLM recomputes
     store_errors: int = 0        # blocks not stored (daemon absent or failing)
@@ -140,7 +142,10 @@ class Transfers:
             n = n or 0
             self._fail(io.block_ids[n:])
             self.count_load(self.counters, io, n)
-        self.counters.load_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.counters.load_s += took
+        self.counters.load_steps += 1
+        self.counters.load_max_s = max(self.counters.load_max_s, took)
 
     def count_load(self, counters: Counters, io: BlockIO, arrived: int) -> int:
         """Add a load of which ``arrived`` blocks arrived to ``counters``; returns the tokens it served
