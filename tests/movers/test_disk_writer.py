@@ -160,3 +160,36 @@ def test_streamed_durable_put_chunks_grow_and_cover_every_block(monkeypatch) -> 
         chunks = _durable_chunks(n, mib2)
         assert chunks[0][0] == 0 and chunks[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+
+
+def test_a_background_job_encodes_in_the_idle_class_and_gives_way_to_a_job_queued_behind(tmp_path: Path) -> None:
+    """Write-behind encodes on threads in the idle scheduling class. While its encodes cannot run (the
+    cores are taken), a job queued behind it does not wait: the background job writes what was encoded,
+    leaves the rest unwritten (ok False, no error) and the job behind it is written."""
+    import os
+    import threading
+
+    tier = DiskTier(tmp_path / "disk", 64 << 20)
+    engine = TransferEngine(tier, workers=2, codec="raw", write_nice=10, background_idle=True)
+    try:
+        assert engine._encode_bg.submit(os.sched_getscheduler, 0).result() == os.SCHED_IDLE
+        assert engine._encode.submit(os.sched_getscheduler, 0).result() == os.SCHED_OTHER
+        free = engine.submit(TO_DISK, _moves(3, 7), background=True)
+        assert free.wait(30) and free.error is None and all(m.ok for m in free.moves)  # cores free: all written
+        held = threading.Event()
+        blockers = [engine._encode_bg.submit(held.wait, 30) for _ in range(2)]  # the idle threads get no core
+        bg = engine.submit(TO_DISK, _moves(4, 8), background=True)
+        time.sleep(0.1)
+        assert not bg.done.is_set()  # waits for its encodes while nothing is queued behind it
+        fg = engine.submit(TO_DISK, _moves(2, 9))
+        assert fg.wait(10) and fg.error is None and all(m.ok for m in fg.moves)
+        assert bg.done.is_set() and bg.error is None and not any(m.ok for m in bg.moves)
+        held.set()
+        for b in blockers:
+            b.result(30)
+        for m in bg.moves:  # nothing of the job that gave way reached the disk
+            assert tier.read(m.lmdb_key, bytes) is None
+        assert tier.read(fg.moves[0].lmdb_key, bytes) is not None
+    finally:
+        engine.close()
+        tier.close()

@@ -68,7 +68,8 @@ class BlockStore:
                                      budgets={"host<->disk": cfg.budget.host_disk or None,
                                               "gpu<->host": cfg.budget.gpu_host or None,
                                               "host<->remote": cfg.budget.host_remote or None},
-                                     write_nice=cfg.disk.write_nice, write_idle=cfg.disk.write_idle)
+                                     write_nice=cfg.disk.write_nice, write_idle=cfg.disk.write_idle,
+                                     background_idle=cfg.disk.write_behind_idle)
         if self.remote is not None:
             self.engine.attach_remote(self.remote)
         self.hostp = HostPlacement(table, self.host, make_host_policy(cfg, self.history, self.host_reuse),

@@ -139,6 +139,9 @@ class DiskConfig:
     write_idle: bool = False
     """Run those threads in the idle scheduling class instead of nice (Linux): they get a core only when
     no other thread wants it."""
+    write_behind_idle: bool = True
+    """Encode write-behind (blocks written ahead of eviction, which nothing waits for) on threads in the
+    idle scheduling class (Linux); such a batch gives way to any write queued behind it."""
     sync: bool = True
     """fsync each write transaction (required for durable acknowledgements)."""
     write_batch: int = 256

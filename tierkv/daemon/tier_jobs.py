@@ -58,10 +58,12 @@ class TierJobs:
         return moves(blocks, self.host.view, self.table.layout_of)
 
     # ---- host -> disk -----------------------------------------------------------------------------
-    def store(self, blocks: list[Block]) -> Job:
+    def store(self, blocks: list[Block], background: bool = False) -> Job:
         """Queue host -> disk writes of dirty blocks (their slots stay pinned until done), with the
         deletes that make room for them; without blocks, only the deletes (the disk shrinks to its
-        watermark). A disk with nothing to drop fails the job at once (``TierFull``)."""
+        watermark). A disk with nothing to drop fails the job at once (``TierFull``). ``background``:
+        nothing waits for it (write-behind); it gives way to writes queued behind it, and the blocks it
+        did not write stay dirty."""
         ctx, diskp = self.ctx, self.diskp
         try:
             deletes, reserved = diskp.room_for_write(blocks)
@@ -83,7 +85,7 @@ class TierJobs:
 
         # the evictor may be waiting on this write (demotion, write-behind)
         done = completion(ctx.changed, blocks, each, locked=settled, after=lambda _job: self.written())
-        return self.engine.submit(TO_DISK, self._moves(blocks), on_done=done, deletes=deletes)
+        return self.engine.submit(TO_DISK, self._moves(blocks), on_done=done, deletes=deletes, background=background)
 
     def trim_disk(self) -> None:
         """Drop disk blocks down to the low watermark when above the high one (takes the lock)."""

@@ -13,7 +13,8 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ log = logging.getLogger("tierkv.movers.engine")
 GROUP_COMMIT_JOBS = 8
 GROUP_COMMIT_S = 0.05
 LOAD_THREADS = 4  # at least this many disk -> host loads in flight (see TransferEngine.__init__)
+GIVE_WAY_POLL_S = 0.01  # how often a background job waiting for its encodes looks for a job queued behind it
 
 
 @dataclass
@@ -55,15 +57,18 @@ class DiskMover:
         writes: codec, level and transaction size of new writes (read at each write).
         write_nice: CPU nice steps of the writer thread (0: the daemon's own).
         write_idle: run the writer thread in the idle scheduling class instead.
+        encode_background: worker pool for the encodes of background jobs (None: ``encode``).
     """
 
     def __init__(self, disk: DiskTier, book: JobBook, budgets: LinkBudgets, encode: ThreadPoolExecutor,
-                 decode: ThreadPoolExecutor, writes: DiskWrites, write_nice: int = 0, write_idle: bool = False) -> None:
+                 decode: ThreadPoolExecutor, writes: DiskWrites, write_nice: int = 0, write_idle: bool = False,
+                 encode_background: ThreadPoolExecutor | None = None) -> None:
         self.disk = disk
         self.writes = writes
         self._book = book
         self._budgets = budgets
         self._encode = encode
+        self._encode_bg = encode_background or encode
         self._decode = decode
         self._orphans: list[bytes] = []  # deletes the daemon chose whose transaction failed: retried
         self._stores: queue.Queue[Job | None] = queue.Queue()
@@ -136,7 +141,7 @@ class DiskMover:
         taken: list[Job] = []
         with self._stores.mutex:
             q = self._stores.queue
-            while q and q[0] is not None and q[0].moves:
+            while q and q[0] is not None and q[0].moves and q[0].background == job.background:
                 more = sum(m.view.nbytes for m in q[0].moves)
                 if size + more > self.writes.batch_bytes or count + len(q[0].moves) > self.writes.batch:
                     break
@@ -168,13 +173,39 @@ class DiskMover:
         if nxt is not None and not nxt.encoded:
             self._encode_first(nxt)
 
+    def _pool(self, job: Job) -> ThreadPoolExecutor:
+        return self._encode_bg if job.background else self._encode
+
     def _encode_first(self, job: Job) -> None:
-        size = 0
+        size, pool = 0, self._pool(job)
         for m in job.moves:
             if size >= self.writes.batch_bytes:
                 break
-            job.encoded.append(self._encode.submit(self._encode_one, m))
+            job.encoded.append(pool.submit(self._encode_one, m))
             size += m.view.nbytes
+
+    def _foreground_queued(self) -> bool:
+        """A job that is not background (or the close) waits in the queue."""
+        with self._stores.mutex:
+            return any(j is None or not j.background for j in self._stores.queue)
+
+    def _results(self, futures: list[Future], background: bool) -> tuple[list[bytes | None], bool]:
+        """The encoded values of ``futures`` in order, and whether a background job gave way: it stops
+        at the first value not encoded while another job is queued behind it."""
+        if not background:
+            return [f.result() for f in futures], False
+        out: list[bytes | None] = []
+        for f in futures:
+            while True:
+                try:
+                    out.append(f.result(timeout=GIVE_WAY_POLL_S))
+                    break
+                except FutureTimeout:
+                    if self._foreground_queued():
+                        return out, True
+                except CancelledError:  # the engine is closing
+                    return out, True
+        return out, False
 
     def _write_jobs(self, jobs: list[Job]) -> None:
         """Encode on the workers while this thread writes: batch i is written as batch i+1 encodes."""
@@ -184,8 +215,9 @@ class DiskMover:
             return
         futures: list[Future] = []
         all_moves: list[Move] = []
+        pool, background = self._pool(jobs[0]), jobs[0].background
         for job in jobs:
-            futures += job.encoded + [self._encode.submit(self._encode_one, m) for m in job.moves[len(job.encoded):]]
+            futures += job.encoded + [pool.submit(self._encode_one, m) for m in job.moves[len(job.encoded):]]
             job.encoded = []
             all_moves += job.moves
         i = 0
@@ -196,8 +228,14 @@ class DiskMover:
             while j < len(all_moves) and (j == i or size < self.writes.batch_bytes) and j - i < self.writes.batch:
                 size += all_moves[j].view.nbytes
                 j += 1
-            self._write_batch(all_moves[i:j], [f.result() for f in futures[i:j]], deletes)
+            blobs, gave_way = self._results(futures[i:j], background)
+            if blobs or deletes:
+                self._write_batch(all_moves[i:i + len(blobs)], blobs, deletes)
             deletes = []  # written with the first transaction
+            if gave_way:  # the moves not written keep ok False: their blocks stay dirty
+                for f in futures[i + len(blobs):]:
+                    f.cancel()
+                return
             i = j
         # No sync here: the write loop syncs once for these jobs and any written right after them.
 

@@ -61,6 +61,8 @@ class Job:
     bad: list[tuple[bytes, str]] = field(default_factory=list)  # verify: (LMDB key, why) of each bad value
     # Stores: encodes of the first moves, submitted while the job before it was being written.
     encoded: list[Future] = field(default_factory=list)
+    # host -> disk: nothing waits for it (write-behind); it gives way to a job queued behind it.
+    background: bool = False
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job finishes; False on timeout."""
@@ -88,9 +90,10 @@ class JobBook:
         self.link_bytes.update(dict.fromkeys(links, 0))
         self.link_seconds.update(dict.fromkeys(links, 0.0))
 
-    def open(self, route: Route, moves: list[Any], on_done: Callable[[Job], None] | None = None) -> Job:
+    def open(self, route: Route, moves: list[Any], on_done: Callable[[Job], None] | None = None,
+             background: bool = False) -> Job:
         """A new job on ``route``, counted in flight until :meth:`finish`."""
-        job = Job(next(self._ids), route, moves, on_done=on_done)
+        job = Job(next(self._ids), route, moves, on_done=on_done, background=background)
         with self.lock:
             self.inflight += 1
         return job
