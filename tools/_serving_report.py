@@ -72,6 +72,7 @@ def print_tables(report: dict) -> None:
                 print("  ".join(_cell(f[k], w) for _h, w, k in COLUMNS))
             _print_ratios(figs)
             _print_reusable(rows, wl)
+            _print_tail_gaps(rows, wl)
 
 
 def _print_ratios(figs: dict[str, dict]) -> None:
@@ -101,6 +102,45 @@ def _print_reusable(rows: list[dict], wl: dict) -> None:
     if cells:
         print(f"  TTFT p50 (ms) of the {len(picked)} requests a cache beside vLLM's own can speed up / of the "
               f"other {wl['requests'] - len(picked)}: " + ", ".join(cells))
+
+
+def tail_gaps(client: dict, reusable: set[int], share: float = 0.01, step_s: float = 0.02) -> dict:
+    """The longest ``share`` of the inter-token gaps and the steps that ended them: a gap whose end comes
+    within ``step_s`` of another request's first token ended on a step that prefilled that request.
+    Returns the gaps' count and mean (ms), how many ended on a prefill step, and how many of those
+    prefilled a request of ``reusable`` (one a cache beside vLLM's own can speed up)."""
+    starts, ttfts, itls = client["start_times"], client["ttfts"], client["itls"]
+    firsts = sorted((s + t, i) for i, (s, t) in enumerate(zip(starts, ttfts, strict=True)))
+    gaps = []
+    for i, (s, t, its) in enumerate(zip(starts, ttfts, itls, strict=True)):
+        end = s + t
+        for g in its:
+            end += g
+            gaps.append((g, end, i))
+    gaps.sort(reverse=True)
+    top = gaps[:max(1, round(share * len(gaps)))]
+    on_prefill = on_reusable = 0
+    for _g, end, i in top:
+        near = [j for f, j in firsts if j != i and abs(f - end) <= step_s]
+        on_prefill += bool(near)
+        on_reusable += any(j in reusable for j in near)
+    return {"gaps": len(top), "mean_ms": 1e3 * statistics.fmean(g for g, _e, _i in top),
+            "on_prefill": on_prefill, "on_reusable": on_reusable}
+
+
+def _print_tail_gaps(rows: list[dict], wl: dict) -> None:
+    """Per configuration: the longest 1% of the inter-token gaps (ITL p99's tail) and the steps they ended on."""
+    picked = set(wl.get("reusable") or ())
+    cells = []
+    for r in rows:
+        c = r.get("client", {})
+        if "error" in r or not c.get("itls") or len(c.get("ttfts") or []) != wl["requests"]:
+            continue
+        t = r["tail_gaps"] = tail_gaps(c, picked)
+        cells.append(f"{r['config']} {t['gaps']} gaps of {t['mean_ms']:.0f} ms on average, {t['on_prefill']} on "
+                     f"another request's first step ({t['on_reusable']} of one a cache can speed up)")
+    if cells:
+        print("  longest 1% of the gaps between tokens: " + "; ".join(cells))
 
 
 def _ratio(a: float, b: float) -> str:
