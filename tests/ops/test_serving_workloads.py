@@ -1,4 +1,5 @@
-"""The serving benchmark's workloads: the working set and the requests a cache beside vLLM's can speed up."""
+"""The serving benchmark's workloads (the working set and the requests a cache beside vLLM's can speed up) and its
+report of the longest gaps between tokens."""
 
 from __future__ import annotations
 
@@ -51,3 +52,17 @@ def test_the_benchmark_refuses_fewer_than_one_turn_per_conversation_in_one_line(
     out = subprocess.run([sys.executable, str(tool), "--chat-turns", "0.5"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "at least 1 turn per conversation" in out.stderr
+
+
+def test_the_longest_gaps_are_tied_to_the_step_that_prefilled_another_request():
+    from _serving_report import tail_gaps
+
+    # request 0 decodes from t=1.0; request 1's first token at 1.5 ends request 0's long gap (0.4 s);
+    # request 2's first token comes at 3.0, when no gap ends
+    client = {"start_times": [0.0, 1.0, 2.5], "ttfts": [1.0, 0.5, 0.5],
+              "itls": [[0.05, 0.05, 0.4, 0.05], [0.05, 0.05], [0.05]]}
+    got = tail_gaps(client, reusable={1}, share=0.01)
+    assert got == {"gaps": 1, "mean_ms": 400.0, "on_prefill": 1, "on_reusable": 1}
+    assert tail_gaps(client, reusable=set(), share=0.01)["on_reusable"] == 0
+    two = tail_gaps(client, reusable={1}, share=0.3)  # 2 of 7 gaps: the 0.4 s one and a 0.05 s one
+    assert two["gaps"] == 2 and two["on_prefill"] >= 1
