@@ -233,6 +233,8 @@ class DiskMover:
                 self._write_batch(all_moves[i:i + len(blobs)], blobs, deletes)
             deletes = []  # written with the first transaction
             if gave_way:  # the moves not written keep ok False: their blocks stay dirty
+                # An encode already running may still read its slot after the job ends (the slot may
+                # then be reused): its value is never written, so only that wasted read remains.
                 for f in futures[i + len(blobs):]:
                     f.cancel()
                 return

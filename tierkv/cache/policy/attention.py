@@ -34,7 +34,8 @@ With ``shadow_rate`` > 0 the policy never trails plain recency for long: a
 the branches (:meth:`~tierkv.cache.reuse.history.History.branch`: a sampled branch is seen whole,
 so the orders are compared on the prefixes they keep; ``shadow_rate`` of them, at that fraction of
 the tier's bytes), and while LRU is the one hitting more there, the tier evicts in LRU order, still
-tails first (the score is kept up to date all the while, so it takes over again as soon as it leads). A tier where the score wins evicts exactly as without it.
+tails first (the score is kept up to date all the while, so it takes over again as soon as it leads).
+A tier where the score wins evicts exactly as without it.
 Use counts and depths live in a :class:`~tierkv.cache.reuse.history.History` that may be shared by
 the policies of all tiers, so heat survives demotion and re-fetch.
 """
