@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
-from tests.helpers import PAGE, REPO, SMALL, RawClient, keys_for, line, rand_blocks, wait_for
+from tests.helpers import PAGE, REPO, SMALL, RawClient, keys_for, line, rand_blocks, settled_stats, wait_for
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -124,7 +124,7 @@ def test_learned_classes_survive_a_restart(daemon_factory):
             c.put(keys[i:i + 50], rand_blocks(50, seed=20 + i))
         c.request_finished(keys[:100], output_tokens=7)
         c.get(keys[:60])
-        before = {t: c.stats()["tiers"][t] for t in ("host", "disk")}
+        before = settled_stats(c)["tiers"]  # the evictor goes on after the get: each eviction teaches
     learned = (before["host"]["reuse"]["classes"], before["disk"]["placement"]["classes"],
                before["disk"]["placement"]["eviction"]["classes"])
     assert learned[0] and not before["host"]["reuse"]["restored_counts"]
