@@ -189,6 +189,32 @@ def test_disk_room_with_nothing_to_drop_is_tier_full():
         t.disk.room(SLOT)
 
 
+def test_disk_room_keeps_the_prefix_of_a_block_host_memory_holds():
+    """A chain whose tail is in host memory only (written to disk later, or never) keeps its disk part
+    while other blocks can go: dropped, it would leave a hole, and the host tail could never be a hit."""
+    cfg, size = _cfg(), stored_size(SLOT)
+    cfg.disk.high_watermark, cfg.disk.low_watermark = 0.9, 0.5
+    table, pool = BlockTable(), SlabAllocator(32 * SLOT, 8 * SLOT)
+    disk = DiskPlacement(table, make_policy("attention"), cfg, lambda: 12 * size, stored_size)
+    host = HostPlacement(table, pool, make_policy("attention"), disk, True, ReuseModel(), Admission("all"), cfg,
+                         lambda: True)
+    disk.needed_above = host.holds_children
+    for i in list(range(6)) + list(range(100, 104)):  # chain A's head and all of chain B on disk
+        b = table.add(Block(_fk(i), SLOT, on_disk=True, disk_bytes=SLOT, parent=_fk(i - 1) if i % 100 else None))
+        disk.added(b)
+    for i in (6, 7):  # chain A's tail only in host memory
+        host.inserted(table.add(Block(_fk(i), SLOT, host_off=pool.alloc(SLOT), parent=_fk(i - 1))))
+    assert disk.needed(_fk(5)) and not disk.needed(_fk(4)) and not disk.needed(_fk(103))
+    gone = disk.room(2 * size)
+    assert gone == [_fk(i) for i in range(103, 103 - len(gone), -1)], "only chain B, from its tail"
+    # with chain B gone, room is still made from chain A's tail (a hole rather than a failed write)
+    for i in range(100, 104):
+        b = table.get(_fk(i))
+        if b is not None:
+            disk.forget(b)
+    assert disk.room(5 * size)[0] == _fk(5)
+
+
 def test_gpu_slots_drop_clean_copies_but_never_a_draining_one():
     table = BlockTable()
     pool = SlabAllocator(2 * SLOT, 2 * SLOT)

@@ -17,6 +17,10 @@ from tierkv.cache.table import BlockTable
 from tierkv.core.errors import TierFull
 
 
+def _nothing_above(_fk: bytes) -> bool:
+    return False
+
+
 class DiskPlacement:
     """The disk tier's bookkeeping: bytes used, its policy, and victims when a write needs room."""
 
@@ -28,6 +32,8 @@ class DiskPlacement:
         self.used = 0
         self.reserved = 0  # estimated bytes of writes queued or in flight (room made for them)
         self.stats = TierCounters()
+        # whether the tier above holds a chain child of the block: its prefix stays while room allows
+        self.needed_above: Callable[[bytes], bool] = _nothing_above
 
     def added(self, b: Block) -> None:
         """``b``'s value reached disk (its ``disk_bytes`` set)."""
@@ -56,8 +62,14 @@ class DiskPlacement:
         b = self.table.get(fk)
         return b is None or b.loading is not None
 
+    def needed(self, fk: bytes) -> bool:
+        """Besides :meth:`protected`: the prefix of a block host memory holds stays (dropped, it would
+        leave a hole in the chain, and the host block after it could never be a hit)."""
+        return self.protected(fk) or self.needed_above(fk)
+
     def room(self, incoming: int) -> list[bytes]:
-        """Keys to delete so ``incoming`` bytes fit under the high watermark (down to the low one).
+        """Keys to delete so ``incoming`` bytes fit under the high watermark (down to the low one):
+        blocks no host block needs as its prefix first, others only when those are not enough.
 
         Raises:
             TierFull: nothing can be dropped.
@@ -66,9 +78,12 @@ class DiskPlacement:
         limit = self.cfg.disk.high_watermark * cap
         if used + incoming <= limit:
             return []
-        target = used + incoming - self.cfg.disk.low_watermark * cap
-        victims = self.policy.victims(int(target), self.protected) or \
-            self.policy.victims(int(used + incoming - limit), self.protected)
+        target, least = used + incoming - self.cfg.disk.low_watermark * cap, used + incoming - limit
+        victims = None
+        for keep in (self.needed, self.protected):
+            victims = self.policy.victims(int(target), keep) or self.policy.victims(int(least), keep)
+            if victims is not None:
+                break
         if victims is None:
             raise TierFull("disk tier is full and nothing can be dropped")
         for fk in victims:

@@ -168,6 +168,11 @@ class HostPlacement:
             self.pinned_bytes -= self.pool.slot_size_at(b.host_off)
 
     # ---- protection -------------------------------------------------------------------------------
+    def holds_children(self, fk: bytes) -> bool:
+        """Whether host memory holds a block whose chain parent is ``fk`` (as far as its policy keeps
+        chains): the disk keeps ``fk`` while it can."""
+        return self.policy.has_children(fk)
+
     def protected(self, fk: bytes) -> bool:
         """The slot is in use (leased, read by a transfer, being filled or pinned)."""
         return self.table.blocks[fk].protected

@@ -75,6 +75,7 @@ class BlockStore:
         self.hostp = HostPlacement(table, self.host, make_host_policy(cfg, self.history, self.host_reuse),
                                    self.diskp, self.disk is not None, self.host_reuse, self.admission, cfg,
                                    lambda: self.engine.store_backlog() == 0)
+        self.diskp.needed_above = self.hostp.holds_children
         self.remote_counters = TierCounters()  # the remote tier's figures (it has no placement)
         self.gpup = self._attach_gpu()
         self._wire()

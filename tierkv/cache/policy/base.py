@@ -160,6 +160,11 @@ class Policy(ABC, Generic[K]):
         being written gives up its parents). Same return as :meth:`victims`."""
         return self.victims(nbytes, protected)
 
+    def has_children(self, key: K) -> bool:
+        """Whether the tier holds a block whose chain parent is ``key`` (``key`` held here or not): the
+        prefix of a block this tier holds. False for a policy that keeps no chains."""
+        return False
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -329,6 +334,9 @@ class HeapPolicy(Policy):
             taken_kids[parent] = n
             if n == self._kids[parent]:  # the parent would be a leaf once these go
                 heapq.heappush(heap, (self._prio[parent], self._ver[parent], parent))
+
+    def has_children(self, key: Hashable) -> bool:
+        return self._kids.get(key, 0) > 0
 
     def __len__(self) -> int:
         return len(self._size)
