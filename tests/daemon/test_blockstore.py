@@ -235,6 +235,30 @@ def test_a_host_slot_waits_for_the_writer_and_never_drops_a_block_it_can_write(m
     assert t.hostp.stats.dropped_unwritten == 0
 
 
+@pytest.mark.parametrize("idle", [True, False])
+def test_demotions_encode_on_the_idle_class_threads_unless_told_not_to(make_table, idle):
+    """``disk.demote_idle``: the blocks the evictor demotes (write-behind off here) are encoded by the
+    threads in Linux's idle class, not by the niced ones durable puts use (a pool starts its threads
+    on its first job); either way every demoted block lands on disk."""
+    import threading
+
+    t = make_table(capacity=1 << 20)
+    t.ctx.cfg.disk.demote_idle = idle
+    t.ctx.cfg.host.high_watermark, t.ctx.cfg.host.low_watermark = 0.5, 0.25
+    s = _session(t)
+    keys = _keys(t.host.capacity // BLOCK // 2 + 8)
+    before = set(threading.enumerate())
+    _put(t, s, keys)
+    t.evictor.kick()
+    records = [t.table.get(s.fp + k) for k in keys]
+    deadline = time.monotonic() + 30
+    while sum(b.on_disk for b in records) < len(keys) // 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sum(b.on_disk for b in records) >= len(keys) // 4 and t.hostp.stats.dropped_unwritten == 0
+    names = {th.name.rsplit("_", 1)[0] for th in set(threading.enumerate()) - before}
+    assert ("tierkv-encode-bg" in names, "tierkv-encode" in names) == (idle, not idle)
+
+
 def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     import dataclasses
 

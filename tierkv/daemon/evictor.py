@@ -74,7 +74,7 @@ class Evictor:
             force, self._force = self._force, False
             dirty = self.hostp.demotion(force)
             ctx.notify()
-            job = self.transfers.store(dirty) if dirty else None
+            job = self.transfers.store(dirty, background=ctx.cfg.disk.demote_idle) if dirty else None
         if job is None:
             return
         job.wait()
@@ -93,7 +93,7 @@ class Evictor:
             batch = min(self.engine.writes.batch_bytes, int(self.hostp.limit * WRITE_BEHIND_SHARE))
             victims = self.hostp.write_behind_batch(batch)
             if victims:
-                self._wb_job = self.transfers.store(victims, background=True)
+                self._wb_job = self.transfers.store(victims, background=self.ctx.cfg.disk.write_behind_idle)
 
     def flush(self, timeout: float) -> int:
         """Write every dirty host block to disk within ``timeout`` seconds (a warm next start); GPU

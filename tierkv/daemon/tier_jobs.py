@@ -62,8 +62,8 @@ class TierJobs:
         """Queue host -> disk writes of dirty blocks (their slots stay pinned until done), with the
         deletes that make room for them; without blocks, only the deletes (the disk shrinks to its
         watermark). A disk with nothing to drop fails the job at once (``TierFull``). ``background``:
-        nothing waits for it (write-behind); it gives way to writes queued behind it, and the blocks it
-        did not write stay dirty."""
+        no request waits for it (write-behind, demotions); it gives way to a write queued behind it that
+        is not background, and the blocks it did not write stay dirty."""
         ctx, diskp = self.ctx, self.diskp
         try:
             deletes, reserved = diskp.room_for_write(blocks)

@@ -48,8 +48,8 @@ class TransferEngine:
         write_nice: CPU nice steps of the threads that encode and write blocks to disk (0: the daemon's
             own), so background writes yield the cores to the engine; loads keep the daemon's priority.
         write_idle: run those threads in the idle scheduling class instead (only on cores nothing else wants).
-        background_idle: encode background stores (write-behind: nothing waits for them) on threads in the
-            idle scheduling class, whatever ``write_idle`` says.
+        background_idle: encode background stores (write-behind, demotions: no request waits for them) on
+            threads in the idle scheduling class, whatever ``write_idle`` says.
     """
 
     def __init__(self, disk: DiskTier | None, workers: int = 2, codec: str = "lossless", level: int = 1,
@@ -108,9 +108,10 @@ class TransferEngine:
             on_done: called once with the finished job (an exception there is logged).
             deletes: ``host -> disk`` only: LMDB keys to delete in the job's first transaction (the room
                 the daemon made for it).
-            background: ``host -> disk`` only: nothing waits for the job (write-behind). Its blocks encode
-                on the background pool, and it gives way to a job queued behind it: the moves not
-                encoded by then are not written (``ok`` False, no error).
+            background: ``host -> disk`` only: no request waits for the job (write-behind, demotions).
+                Its blocks encode on the background pool, and it gives way to a job queued behind it
+                that is not background: the moves not encoded by then are not written (``ok`` False,
+                no error).
 
         Raises:
             ValueError: no mover serves ``route``, or ``deletes`` on another route.
