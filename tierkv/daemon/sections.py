@@ -142,7 +142,7 @@ class DiskConfig:
     write_behind_idle: bool = True
     """Encode write-behind (blocks written ahead of eviction, which nothing waits for) on threads in the
     idle scheduling class (Linux); such a batch gives way to any write queued behind it."""
-    demote_idle: bool = True
+    demote_idle: bool = False
     """Encode demotions (host victims written on their way out, which only the evictor waits for) in the
     idle class too: a store that finds host memory full of blocks not written yet drops some unwritten
     instead of waiting. Such a batch gives way to a durable put or the shutdown flush queued behind it."""
