@@ -237,9 +237,9 @@ def test_a_host_slot_waits_for_the_writer_and_never_drops_a_block_it_can_write(m
 
 @pytest.mark.parametrize("idle", [True, False])
 def test_demotions_encode_on_the_idle_class_threads_unless_told_not_to(make_table, idle):
-    """``disk.demote_idle``: the blocks the evictor demotes (write-behind off here) are encoded by the
-    threads in Linux's idle class, not by the niced ones durable puts use (a pool starts its threads
-    on its first job); either way every demoted block lands on disk."""
+    """``disk.demote_idle`` (with ``disk.write_behind_idle``, the default): the blocks the evictor
+    demotes (write-behind off here) are encoded by the threads in Linux's idle class, not by the niced
+    ones durable puts use (a pool starts its threads on its first job); either way they land on disk."""
     import threading
 
     t = make_table(capacity=1 << 20)

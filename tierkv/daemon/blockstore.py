@@ -69,7 +69,7 @@ class BlockStore:
                                               "gpu<->host": cfg.budget.gpu_host or None,
                                               "host<->remote": cfg.budget.host_remote or None},
                                      write_nice=cfg.disk.write_nice, write_idle=cfg.disk.write_idle,
-                                     background_idle=cfg.disk.write_behind_idle or cfg.disk.demote_idle)
+                                     background_idle=cfg.disk.write_behind_idle)
         if self.remote is not None:
             self.engine.attach_remote(self.remote)
         self.hostp = HostPlacement(table, self.host, make_host_policy(cfg, self.history, self.host_reuse),

@@ -93,7 +93,7 @@ class Evictor:
             batch = min(self.engine.writes.batch_bytes, int(self.hostp.limit * WRITE_BEHIND_SHARE))
             victims = self.hostp.write_behind_batch(batch)
             if victims:
-                self._wb_job = self.transfers.store(victims, background=self.ctx.cfg.disk.write_behind_idle)
+                self._wb_job = self.transfers.store(victims, background=True)
 
     def flush(self, timeout: float) -> int:
         """Write every dirty host block to disk within ``timeout`` seconds (a warm next start); GPU

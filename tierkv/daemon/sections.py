@@ -143,9 +143,10 @@ class DiskConfig:
     """Encode write-behind (blocks written ahead of eviction, which nothing waits for) on threads in the
     idle scheduling class (Linux); such a batch gives way to any write queued behind it."""
     demote_idle: bool = False
-    """Encode demotions (host victims written on their way out, which only the evictor waits for) in the
-    idle class too: a store that finds host memory full of blocks not written yet drops some unwritten
-    instead of waiting. Such a batch gives way to a durable put or the shutdown flush queued behind it."""
+    """Encode demotions (host victims written on their way out, which only the evictor waits for) as
+    write-behind is, in the idle class while ``write_behind_idle`` is on: a store that finds host memory
+    full of blocks not written yet drops some unwritten instead of waiting. Such a batch gives way to a
+    durable put or the shutdown flush queued behind it."""
     sync: bool = True
     """fsync each write transaction (required for durable acknowledgements)."""
     write_batch: int = 256
