@@ -228,11 +228,11 @@ def quiet_sample(pid: int, polls: int = 3, step: float = 0.05, timeout: float = 
 
 def settled_stats(c: tierkv.Client, polls: int = 3, step: float = 0.1, timeout: float = 30.0) -> dict:
     """``c.stats()`` once the daemon's background work has ended: each tier's blocks, evictions and
-    writes and the transfers in flight hold still for ``polls`` polls (the evictor goes on freeing host
+    bytes in and the transfers in flight hold still for ``polls`` polls (the evictor goes on freeing host
     memory, and write-behind goes on writing, after the request that started them was answered)."""
     def shape(st: dict) -> tuple:
         tiers = st["tiers"]
-        return tuple((t, tiers[t].get("blocks"), tiers[t].get("evictions"), tiers[t].get("writes"))
+        return tuple((t, tiers[t].get("blocks"), tiers[t].get("evictions"), tiers[t].get("bytes_in"))
                      for t in sorted(tiers) if isinstance(tiers[t], dict)) + (st.get("transfer", {}).get("inflight"),)
     deadline = time.monotonic() + timeout
     last, same = c.stats(), 0

@@ -141,7 +141,8 @@ class DiskConfig:
     no other thread wants it."""
     write_behind_idle: bool = True
     """Encode write-behind (blocks written ahead of eviction, which nothing waits for) on threads in the
-    idle scheduling class (Linux); such a batch gives way to any write queued behind it."""
+    idle scheduling class (Linux); such a batch gives way to any write queued behind it that is not
+    encoded there (a demotion unless ``demote_idle``, a durable put, the shutdown flush)."""
     demote_idle: bool = False
     """Encode demotions (host victims written on their way out, which only the evictor waits for) as
     write-behind is, in the idle class while ``write_behind_idle`` is on: a store that finds host memory
