@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -149,6 +152,32 @@ def test_paged_store_and_load_round_trip(daemon):
                 assert torch.equal(v2[layer][dst], v_cache[layer][src])
         blk = c.get(keys[:1])[0]  # tierkv's own layout: [2, L, H, T, D]
         assert torch.equal(blk[0, 1], k_cache[1][7].permute(1, 0, 2))
+
+
+def test_write_behind_waits_while_the_engine_keeps_the_cores_busy(daemon_factory):
+    cores = os.cpu_count() or 1
+    d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"],
+                       env={"TIERKV_DISK_ADMISSION": "all", "TIERKV_HOST_WRITE_BEHIND_IDLE_CORES": str(cores - 0.5)})
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(1.5)  # the daemon has seen the busy cores
+        with d.client() as c:  # 8 KiB blocks: 1,024 host slots
+            keys, blocks = keys_for(c, 800, seed=12), rand_blocks(800, seed=12)
+            c.put(keys, blocks)
+            time.sleep(2.0)  # the evictor asks at least every half second
+            st = c.stats()["tiers"]
+            assert st["disk"]["write_behind_waits"] >= 2 and st["disk"]["written_behind"] == 0
+            assert st["disk"]["blocks"] == 0 and st["host"]["blocks"] == 800
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    with d.client() as c:  # the cores idle again: write-behind goes on
+        deadline = time.time() + 30
+        while time.time() < deadline and c.stats()["tiers"]["disk"]["blocks"] < 700:
+            time.sleep(0.05)
+        assert c.stats()["tiers"]["disk"]["written_behind"] >= 700
+        assert torch.equal(c.get(keys[:100]).view(torch.int16), blocks[:100].view(torch.int16))
 
 
 def test_write_behind_cleans_cold_blocks_so_stores_need_not_wait(daemon_factory):

@@ -49,6 +49,7 @@ class HostPlacement:
         self.limit = pool.capacity      # effective capacity: `tune host.capacity` can lower it
         self.pinned_bytes = 0
         self.written_behind = 0
+        self.write_behind_waits = 0  # write-behind batches not started: the engine kept the cores busy
         self.stats = TierCounters()
 
     # ---- slots ------------------------------------------------------------------------------------

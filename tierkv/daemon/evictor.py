@@ -10,6 +10,7 @@ import time
 
 from tierkv.cache.placement import HostPlacement
 from tierkv.cache.table import BlockTable
+from tierkv.daemon.busy_cores import BusyCores
 from tierkv.daemon.context import Context
 from tierkv.daemon.gpupath import GpuPath
 from tierkv.daemon.tier_jobs import TierJobs
@@ -20,6 +21,10 @@ log = logging.getLogger("tierkv.table")
 # A write-behind batch takes at most this share of the host tier: the blocks it holds are pinned until
 # written, and the rest of the tier must keep blocks a store can drop when the writer falls behind.
 WRITE_BEHIND_SHARE = 1 / 8
+# A write-behind batch writes at most this much: short, so that the next one asks again whether the
+# engine leaves cores idle (the writer's copies into the page cache run in the kernel, where an engine
+# thread that wakes waits for them).
+WRITE_BEHIND_BATCH_BYTES = 16 << 20
 
 
 class Evictor:
@@ -39,6 +44,7 @@ class Evictor:
         self._kick = wakeup
         self._force = False
         self._wb_job: Job | None = None  # the write-behind batch in flight
+        self._busy = BusyCores()
         self._thread = threading.Thread(target=self._loop, name="tierkv-evictor", daemon=True)
 
     def start(self) -> None:
@@ -89,8 +95,13 @@ class Evictor:
             return
         if self._wb_job is not None and not self._wb_job.done.is_set():
             return  # one batch at a time; its completion wakes the evictor for the next
+        cores = self.ctx.cfg.host.write_behind_idle_cores
+        if cores > 0 and not self._busy.idle(cores):
+            self.hostp.write_behind_waits += 1  # the engine is busy: asked again within half a second
+            return
         with self.ctx.lock:
-            batch = min(self.engine.writes.batch_bytes, int(self.hostp.limit * WRITE_BEHIND_SHARE))
+            batch = min(self.engine.writes.batch_bytes, WRITE_BEHIND_BATCH_BYTES,
+                        int(self.hostp.limit * WRITE_BEHIND_SHARE))
             victims = self.hostp.write_behind_batch(batch)
             if victims:
                 self._wb_job = self.transfers.store(victims, background=True)

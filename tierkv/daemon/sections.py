@@ -95,6 +95,10 @@ class HostConfig:
     that a burst of stores finds clean blocks to evict and never waits for the disk."""
     write_behind_above: float = 0.5
     """Write behind only while the host tier is fuller than this share of its capacity."""
+    write_behind_idle_cores: float = 1.0
+    """Start a write-behind batch only while other processes (the engine) left at least this many cores
+    idle on average over the last half second (Linux; 0: whatever the load). The batch's writes into
+    the page cache run in the kernel, where an engine thread that wakes waits for them."""
     prefetch_fraction: float = 0.25
     """Blocks prefetched for queued requests and not used yet hold at most this share of the tier."""
 
@@ -110,6 +114,8 @@ class HostConfig:
             raise ValueError(f"host.shadow_rate must be within 0..1, got {self.shadow_rate!r}")
         if not 0 <= self.write_behind_above <= 1:
             raise ValueError("host.write_behind_above must be within 0..1")
+        if not 0 <= self.write_behind_idle_cores <= 4096:
+            raise ValueError(f"host.write_behind_idle_cores must be within 0..4096, got {self.write_behind_idle_cores!r}")
         if not 0 <= self.prefetch_fraction <= 1:
             raise ValueError("host.prefetch_fraction must be within 0..1")
         if not 0 <= self.max_pinned_fraction <= 1:

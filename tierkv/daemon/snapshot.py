@@ -104,6 +104,7 @@ class Snapshots:
                                           file_bytes=disk.file_bytes(), readers=disk.readers(),
                                           policy=dp.policy.name, admission=self.ctx.cfg.disk.admission,
                                           admitted=adm.admitted, written_behind=hp.written_behind,
+                                          write_behind_waits=hp.write_behind_waits,
                                           rejected=adm.rejected, placement=adm.snapshot(),
                                           idle_half_life_s=round(getattr(dp.policy, "tau", 0.0), 1))
             shadow = getattr(dp.policy, "shadow", None)
