@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -12,8 +11,7 @@ from tierkv.daemon.busy_cores import BusyCores
 
 
 def test_averages_other_processes_over_the_window_and_leaves_its_own_out():
-    tick = os.sysconf("SC_CLK_TCK")
-    readings = iter([(0, 0), (0, 0), (tick, 0), (3 * tick, tick), (5 * tick, tick)])
+    readings = iter([(0.0, 0.0), (0.0, 0.0), (1.0, 0.0), (3.0, 1.0), (5.0, 1.0)])  # seconds
     now = iter([0.0, 0.05, 0.5, 1.0, 1.5])
     b = BusyCores(window=0.5, read=lambda: next(readings), clock=lambda: next(now))  # the first reading
     assert b.others() is None  # too soon after the first reading

@@ -1,4 +1,4 @@
-"""How many cores other processes (the inference engine) kept busy lately, from Linux's CPU counters.
+"""How many cores other processes (the inference engine) kept busy lately, from the CPU counters (psutil).
 
 Write-behind (host blocks written ahead of eviction, which nothing waits for) costs CPU that the
 engine's steps need on a small machine: the disk writer's copies into the page cache run in the kernel,
@@ -8,29 +8,28 @@ write-behind batch only while the engine leaves cores idle (``host.write_behind_
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import deque
 from collections.abc import Callable
+
+import psutil
 
 __all__ = ["BusyCores"]
 
 READ_EVERY_S = 0.1  # readings closer together than this are not kept
 
 
-def _busy_ticks() -> tuple[int, int] | None:
-    """(ticks any CPU was busy, ticks this process ran), or None where the counters are not readable."""
+def _busy_seconds(me: psutil.Process) -> tuple[float, float] | None:
+    """(seconds any CPU was busy, seconds ``me`` ran), or None where the counters are not readable."""
     try:
-        with open("/proc/stat", "rb") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        with open("/proc/self/stat", "rb") as f:
-            own = f.read()
-    except (OSError, ValueError):
+        cpu, own = psutil.cpu_times(), me.cpu_times()
+    except (psutil.Error, OSError):
         return None
-    # user nice system idle iowait irq softirq steal [guest guest_nice, already counted in user and nice]
-    busy = sum(fields[:8]) - fields[3] - (fields[4] if len(fields) > 4 else 0)
-    rest = own[own.rindex(b")") + 2:].split()
-    return busy, int(rest[11]) + int(rest[12])  # utime + stime
+    idle = cpu.idle + getattr(cpu, "iowait", 0.0)
+    busy = sum(cpu) - idle - getattr(cpu, "guest", 0.0) - getattr(cpu, "guest_nice", 0.0)  # guests: in user
+    return busy, own.user + own.system
 
 
 class BusyCores:
@@ -38,16 +37,16 @@ class BusyCores:
 
     Args:
         window: the span averaged over (at least ``READ_EVERY_S``).
-        read: the counters (ticks busy on any CPU, ticks of this process); the default reads Linux's.
+        read: the counters (seconds busy on any CPU, seconds this process ran); the default asks psutil.
         clock: seconds, monotonic.
     """
 
-    def __init__(self, window: float = 0.5, read: Callable[[], tuple[int, int] | None] = _busy_ticks,
+    def __init__(self, window: float = 0.5, read: Callable[[], tuple[float, float] | None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.window = max(READ_EVERY_S, window)
-        self._read, self._clock = read, clock
-        self._tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-        self._readings: deque[tuple[float, int, int]] = deque()
+        self._read = read or functools.partial(_busy_seconds, psutil.Process())
+        self._clock = clock
+        self._readings: deque[tuple[float, float, float]] = deque()
         self.others()  # the first reading: the base of the next
 
     def others(self) -> float | None:
@@ -65,7 +64,7 @@ class BusyCores:
         t0, busy0, own0 = r[0]
         if now - t0 < READ_EVERY_S:
             return None
-        return max(0.0, (got[0] - busy0) - (got[1] - own0)) / self._tick / (now - t0)
+        return max(0.0, (got[0] - busy0) - (got[1] - own0)) / (now - t0)
 
     def idle(self, cores: float) -> bool:
         """Whether other processes left at least ``cores`` of this machine's cores idle lately (True
