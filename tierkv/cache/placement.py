@@ -49,7 +49,7 @@ class HostPlacement:
         self.limit = pool.capacity      # effective capacity: `tune host.capacity` can lower it
         self.pinned_bytes = 0
         self.written_behind = 0
-        self.write_behind_waits = 0  # write-behind batches not started: the engine kept the cores busy
+        self.write_behind_waits = 0  # write-behind batches deferred: due, but the engine kept the cores busy
         self.stats = TierCounters()
 
     # ---- slots ------------------------------------------------------------------------------------
@@ -247,9 +247,13 @@ class HostPlacement:
             if b.host_off is not None and not b.protected and b.on_disk:
                 self.drop(b)
 
+    def write_behind_due(self) -> bool:
+        """Whether the host tier is full enough (``host.write_behind_above``) to write behind."""
+        return self.pool.used_bytes >= self.cfg.host.write_behind_above * self.limit
+
     def write_behind_batch(self, batch: int) -> list[Block]:
         """The coldest admitted dirty blocks, about ``batch`` bytes, to clean ahead of eviction."""
-        if self.pool.used_bytes < self.cfg.host.write_behind_above * self.limit:
+        if not self.write_behind_due():
             return []
         admission = self.cfg.disk.admission
 

@@ -93,11 +93,14 @@ class Evictor:
         then only frees their slots, so a burst of stores runs at memory speed instead of disk speed."""
         if not self.disk_on or not self.ctx.cfg.host.write_behind or self.ctx.closing:
             return
+        cores = self.ctx.cfg.host.write_behind_idle_cores
+        busy = cores > 0 and not self._busy.idle(cores)  # read every pass: the window stays recent
         if self._wb_job is not None and not self._wb_job.done.is_set():
             return  # one batch at a time; its completion wakes the evictor for the next
-        cores = self.ctx.cfg.host.write_behind_idle_cores
-        if cores > 0 and not self._busy.idle(cores):
-            self.hostp.write_behind_waits += 1  # the engine is busy: asked again within half a second
+        if not self.hostp.write_behind_due():
+            return
+        if busy:
+            self.hostp.write_behind_waits += 1  # a batch deferred: asked again within half a second
             return
         with self.ctx.lock:
             batch = min(self.engine.writes.batch_bytes, WRITE_BEHIND_BATCH_BYTES,
