@@ -6,6 +6,7 @@ host tier returns without waiting for the disk writer."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -87,6 +88,39 @@ def _restarted(daemon) -> None:
     daemon.stop()
     daemon.start()
     assert daemon.stats()["tiers"]["host"]["blocks"] == 0
+
+
+class _HeldPages(VllmPages):
+    """Pages whose copies wait for ``release``: a copy into vLLM's pages that takes its time."""
+
+    def __init__(self, base: VllmPages) -> None:
+        super().__init__(base.caches, 32)
+        self.copying, self.release = threading.Event(), threading.Event()
+
+    def scatter(self, blocks, block_ids) -> None:
+        self.copying.set()
+        assert self.release.wait(30)
+        super().scatter(blocks, block_ids)
+
+
+def test_the_step_never_waits_for_an_asynchronous_copy_into_vllms_pages(daemon):
+    src = _on_disk_only(daemon)
+    planner = Planner.single(link(daemon), NS, BT)
+    io = _park(planner, Req("slow", TOKENS), [9, 10, 11, 12, 13])
+    io.wait_s = 0.2  # a copy still running past its bound and grace is not given up
+    dst = _HeldPages(pages(seed=12))
+    t = Transfers(link(daemon), dst, async_link=link(daemon))
+    t.start_async([io])
+    assert dst.copying.wait(30)
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    assert t.take_done() == set() and not t.take_load_errors()  # the step goes on
+    assert time.monotonic() - t0 < 5.0
+    dst.release.set()
+    done, errors, _ = _done(t)
+    assert done == {"slow"} and not errors
+    for a, b in zip([0, 1, 2, 3], [9, 10, 11, 12]):
+        assert all(torch.equal(s[a], d[b]) for s, d in zip(src.caches, dst.caches))
 
 
 def test_the_bound_is_the_ceiling_until_the_prefill_speed_is_measured_then_the_recompute_time(daemon):

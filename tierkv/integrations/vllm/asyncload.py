@@ -57,6 +57,7 @@ class AsyncLoads:
         self._queue: queue.SimpleQueue[tuple[int, BlockIO, float]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[BlockIO, float]] = {}  # id -> (load, submitted at)
+        self._copying: set[int] = set()  # ids whose blocks are being copied into vLLM's pages
         self._next_id = 0
         self._outcomes: list[Outcome] = []
         self._thread: threading.Thread | None = None
@@ -85,7 +86,7 @@ class AsyncLoads:
         now = time.monotonic()
         with self._lock:
             for i, (io, t0) in list(self._pending.items()):
-                if now > t0 + (io.wait_s or 0.0) + self.grace_s:
+                if i not in self._copying and now > t0 + (io.wait_s or 0.0) + self.grace_s:
                     del self._pending[i]
                     self._record(io, t0, 0, now)
             out, self._outcomes = self._outcomes, []
@@ -130,19 +131,23 @@ class AsyncLoads:
 
     def _report(self, i: int, io: BlockIO, t0: float, lease: Any) -> None:
         """Copy the leased blocks into vLLM's pages (unless the request was given up) and report it. The
-        copy runs under the lock, so :meth:`take` never gives up a request whose pages are being
-        written."""
+        copy runs outside the lock, so the step's :meth:`take` never waits for it; a request being
+        copied is never given up."""
         with self._lock:
-            if self._pending.pop(i, None) is None:
+            if i not in self._pending:
                 return  # given up by take(): its blocks were reported failed, vLLM recomputes them
-            n = 0
-            if lease is not None and lease.count:
-                n = lease.count
-                try:
-                    self._scatter(lease.views, io.block_ids[:n])
-                except Exception as exc:  # noqa: BLE001 - report the request whatever happened
-                    self._warn("an asynchronous load (vLLM recomputes its blocks)", exc)
-                    n = 0
+            self._copying.add(i)
+        n = 0
+        if lease is not None and lease.count:
+            n = lease.count
+            try:
+                self._scatter(lease.views, io.block_ids[:n])
+            except Exception as exc:  # noqa: BLE001 - report the request whatever happened
+                self._warn("an asynchronous load (vLLM recomputes its blocks)", exc)
+                n = 0
+        with self._lock:
+            self._copying.discard(i)
+            del self._pending[i]
             self._record(io, t0, n, time.monotonic())
 
     def _scatter(self, views: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
