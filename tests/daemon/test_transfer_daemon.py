@@ -180,6 +180,29 @@ def test_write_behind_waits_while_the_engine_keeps_the_cores_busy(daemon_factory
         assert torch.equal(c.get(keys[:100]).view(torch.int16), blocks[:100].view(torch.int16))
 
 
+def test_write_behind_goes_on_paced_while_the_engine_is_busy_and_stores_drop_unwritten_blocks(daemon_factory):
+    cores = os.cpu_count() or 1
+    d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"],
+                       env={"TIERKV_DISK_ADMISSION": "all", "TIERKV_HOST_WRITE_BEHIND_IDLE_CORES": str(cores - 0.5)})
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(1.5)  # the daemon has seen the busy cores
+        with d.client() as c:  # 8 KiB blocks: 1,024 host slots; bursts that never wait drop unwritten ones
+            keys, blocks = keys_for(c, 4000, seed=13), rand_blocks(4000, seed=13)
+            deadline, i = time.time() + 40, 0
+            while time.time() < deadline and i < 4000 and c.stats()["tiers"]["disk"]["written_behind"] == 0:
+                c.put(keys[i:i + 200], blocks[i:i + 200], timeout=0)
+                i += 200
+                time.sleep(0.5)
+            st = c.stats()["tiers"]
+            assert st["host"]["dropped_unwritten"] > 0 and st["disk"]["write_behind_waits"] >= 1
+            assert st["disk"]["written_behind"] > 0
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
 def test_write_behind_cleans_cold_blocks_so_stores_need_not_wait(daemon_factory):
     d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"], env={"TIERKV_DISK_ADMISSION": "all"})
     with d.client() as c:  # 8 KiB blocks: 1,024 host slots

@@ -25,6 +25,9 @@ WRITE_BEHIND_SHARE = 1 / 8
 # engine leaves cores idle (the writer's copies into the page cache run in the kernel, where an engine
 # thread that wakes waits for them).
 WRITE_BEHIND_BATCH_BYTES = 16 << 20
+# While the engine keeps the cores busy and stores drop blocks not written yet (the tier would never be
+# written otherwise), write-behind still starts a batch this often.
+WRITE_BEHIND_BUSY_EVERY_S = 1.0
 
 
 class Evictor:
@@ -45,6 +48,8 @@ class Evictor:
         self._force = False
         self._wb_job: Job | None = None  # the write-behind batch in flight
         self._busy = BusyCores()
+        self._dropped_seen = 0  # the host tier's dropped_unwritten when the last batch started
+        self._busy_batch_at = 0.0  # when the last batch started while the engine was busy
         self._thread = threading.Thread(target=self._loop, name="tierkv-evictor", daemon=True)
 
     def start(self) -> None:
@@ -99,15 +104,19 @@ class Evictor:
             return  # one batch at a time; its completion wakes the evictor for the next
         if not self.hostp.write_behind_due():
             return
+        dropped, now = self.hostp.stats.dropped_unwritten, time.monotonic()
         if busy:
-            self.hostp.write_behind_waits += 1  # a batch deferred: asked again within half a second
-            return
+            if dropped == self._dropped_seen or now - self._busy_batch_at < WRITE_BEHIND_BUSY_EVERY_S:
+                self.hostp.write_behind_waits += 1  # a batch deferred: asked again within half a second
+                return
+            self._busy_batch_at = now  # stores are losing blocks: a paced batch all the same
+        self._dropped_seen = dropped
         with self.ctx.lock:
             batch = min(self.engine.writes.batch_bytes, WRITE_BEHIND_BATCH_BYTES,
                         int(self.hostp.limit * WRITE_BEHIND_SHARE))
             victims = self.hostp.write_behind_batch(batch)
-            if victims:
-                self._wb_job = self.transfers.store(victims, background=True)
+            if victims:  # a paced batch encodes at ``disk.write_nice``: the idle class gets no core now
+                self._wb_job = self.transfers.store(victims, background=not busy)
 
     def flush(self, timeout: float) -> int:
         """Write every dirty host block to disk within ``timeout`` seconds (a warm next start); GPU
