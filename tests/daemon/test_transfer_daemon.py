@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -154,13 +156,24 @@ def test_paged_store_and_load_round_trip(daemon):
         assert torch.equal(blk[0, 1], k_cache[1][7].permute(1, 0, 2))
 
 
+@contextlib.contextmanager
+def _every_core_spinning(cores: int) -> Iterator[None]:
+    """One spinning process per core (an engine that leaves none idle) until the block ends."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(1.5)  # the daemon has seen the busy cores
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
 def test_write_behind_waits_while_the_engine_keeps_the_cores_busy(daemon_factory):
     cores = os.cpu_count() or 1
     d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"],
                        env={"TIERKV_DISK_ADMISSION": "all", "TIERKV_HOST_WRITE_BEHIND_IDLE_CORES": str(cores - 0.5)})
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
-    try:
-        time.sleep(1.5)  # the daemon has seen the busy cores
+    with _every_core_spinning(cores):
         with d.client() as c:  # 8 KiB blocks: 1,024 host slots
             keys, blocks = keys_for(c, 800, seed=12), rand_blocks(800, seed=12)
             c.put(keys, blocks)
@@ -168,10 +181,6 @@ def test_write_behind_waits_while_the_engine_keeps_the_cores_busy(daemon_factory
             st = c.stats()["tiers"]
             assert st["disk"]["write_behind_waits"] >= 2 and st["disk"]["written_behind"] == 0
             assert st["disk"]["blocks"] == 0 and st["host"]["blocks"] == 800
-    finally:
-        for p in spinners:
-            p.kill()
-            p.wait()
     with d.client() as c:  # the cores idle again: write-behind goes on
         deadline = time.time() + 30
         while time.time() < deadline and c.stats()["tiers"]["disk"]["blocks"] < 700:
@@ -184,9 +193,7 @@ def test_write_behind_goes_on_paced_while_the_engine_is_busy_and_stores_drop_unw
     cores = os.cpu_count() or 1
     d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"],
                        env={"TIERKV_DISK_ADMISSION": "all", "TIERKV_HOST_WRITE_BEHIND_IDLE_CORES": str(cores - 0.5)})
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
-    try:
-        time.sleep(1.5)  # the daemon has seen the busy cores
+    with _every_core_spinning(cores):
         with d.client() as c:  # 8 KiB blocks: 1,024 host slots; bursts that never wait drop unwritten ones
             keys, blocks = keys_for(c, 4000, seed=13), rand_blocks(4000, seed=13)
             deadline, i = time.time() + 40, 0
@@ -197,10 +204,6 @@ def test_write_behind_goes_on_paced_while_the_engine_is_busy_and_stores_drop_unw
             st = c.stats()["tiers"]
             assert st["host"]["dropped_unwritten"] > 0 and st["disk"]["write_behind_waits"] >= 1
             assert st["disk"]["written_behind"] > 0
-    finally:
-        for p in spinners:
-            p.kill()
-            p.wait()
 
 
 def test_write_behind_cleans_cold_blocks_so_stores_need_not_wait(daemon_factory):
