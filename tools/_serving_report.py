@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 COLUMNS = (  # (heading, width, key of figures())
     ("config", 8, "config"), ("TTFT p50", 9, "ttft_p50_ms"), ("p99", 8, "ttft_p99_ms"),
@@ -15,6 +17,16 @@ RATIOS = (("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"), ("TPOT p50",
           ("TPOT p99", "tpot_p99_ms"), ("ITL p99", "itl_p99_ms"), ("req/s", "requests_per_s"),
           ("out tok/s", "output_tokens_per_s"))
 
+
+def load_report(path: str) -> dict:
+    """A saved run (``--out`` of an earlier invocation); a missing or unreadable file exits with one line."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--report {path}: cannot read a saved run ({e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("runs"), list):
+        raise SystemExit(f"--report {path}: not a saved run of this benchmark (no 'runs' list)")
+    return report
 
 def figures(run: dict, reference: list[str] | None) -> dict:
     """A run's figures: latencies in ms from vLLM's client, cached prompt tokens from vLLM's counters."""

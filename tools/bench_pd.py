@@ -27,7 +27,7 @@ from pathlib import Path
 import _serving_workloads as workloads
 from _demo_model import ensure_converted
 from _serving_configs import max_request_len
-from _serving_report import COLUMNS, _cell, _ratio, figures
+from _serving_report import COLUMNS, _cell, _ratio, figures, load_report
 from bench_serving import add_run_args, block_bytes, run_one
 
 MIB = 1 << 20
@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.report:
-        print_table(json.loads(Path(args.report).read_text()))
+        print_table(load_report(args.report))
         return
     cfgs = args.configs.split(",")
     if bad := [c for c in cfgs if c not in CONFIGS]:

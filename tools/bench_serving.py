@@ -30,7 +30,7 @@ import _serving_configs as configs
 import _serving_workloads as workloads
 from _demo_model import ensure_converted
 from _serving_client import run_client, scrape
-from _serving_report import print_tables
+from _serving_report import load_report, print_tables
 from _vllm_server import BLOCK_TOKENS, VllmServer
 
 PRESSURES = {"full": 1.0, "quarter": 0.25}
@@ -140,7 +140,7 @@ def add_run_args(ap: argparse.ArgumentParser, *, chat_rate: float, check_prompts
 def main() -> None:
     args = parse_args()
     if args.report:
-        print_tables(json.loads(Path(args.report).read_text()))
+        print_tables(load_report(args.report))
         return
     cfgs, names, pressures = (args.configs.split(","), args.workloads.split(","), args.pressures.split(","))
     for given, known in ((cfgs, configs.NAMES), (names, workloads.NAMES), (pressures, tuple(PRESSURES))):

@@ -66,3 +66,15 @@ def test_the_longest_gaps_are_tied_to_the_step_that_prefilled_another_request():
     assert tail_gaps(client, reusable=set(), share=0.01)["on_reusable"] == 0
     two = tail_gaps(client, reusable={1}, share=0.3)  # 2 of 7 gaps: the 0.4 s one and a 0.05 s one
     assert two["gaps"] == 2 and two["on_prefill"] >= 1
+
+
+def test_a_report_that_is_missing_or_not_a_saved_run_is_refused_in_one_line(tmp_path):
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    (tmp_path / "list.json").write_text("[]")
+    for tool in ("bench_serving.py", "bench_pd.py"):
+        for given, said in ((tmp_path / "none.json", "cannot read a saved run"),
+                            (tmp_path / "list.json", "not a saved run")):
+            out = subprocess.run([sys.executable, str(tools / tool), "--report", str(given)],
+                                 capture_output=True, text=True)
+            assert out.returncode == 1 and "Traceback" not in out.stderr
+            assert said in out.stderr
