@@ -28,6 +28,7 @@ def load_report(path: str) -> dict:
         raise SystemExit(f"--report {path}: not a saved run of this benchmark (no 'runs' list)")
     return report
 
+
 def figures(run: dict, reference: list[str] | None) -> dict:
     """A run's figures: latencies in ms from vLLM's client, cached prompt tokens from vLLM's counters."""
     c = run["client"]
