@@ -141,6 +141,20 @@ def test_lossless_stores_raw_when_it_does_not_pay():
     assert h.codec == "lossless" and h.ratio > 10  # the mantissa plane was probed and compressed too
 
 
+def test_lossless_float32_stores_raw_under_a_fifth_saved():
+    """Normal float32 values compress about 1.18x (only the exponent byte): stored raw, read as a memcpy;
+    float32 with empty low mantissa bytes (upcast bfloat16) compresses and stays lossless."""
+    layout = Layout(3, 2, 16, 16, "float32")
+    x = np.random.default_rng(0).standard_normal(layout.block_elems).astype(np.float32)
+    h = read_header(encode_block(x.view(np.uint8), layout=layout, fingerprint=_fp(layout), key=KEY))
+    assert h.codec == "raw" and h.payload_len == layout.block_bytes
+    upcast = (x.view(np.uint32) & 0xFFFF0000).view(np.uint8)
+    blob = encode_block(upcast, layout=layout, fingerprint=_fp(layout), key=KEY)
+    assert read_header(blob).codec == "lossless" and read_header(blob).ratio > 2
+    out = decode_block(blob, layout=layout, fingerprint=_fp(layout), key=KEY)
+    assert out.tobytes() == upcast.tobytes()
+
+
 # --- lossy codecs ------------------------------------------------------------------------------------
 
 # Documented bounds (docs/design.md, Codecs): minimum ratio on 16-bit blocks, maximum relative RMSE of K and V.
