@@ -95,8 +95,11 @@ class Daemon:
         self._logf.close()
         return rc
 
-    def kill(self) -> None:
+    def kill(self, unlink: bool = True) -> None:
+        """SIGKILL; ``unlink`` removes the socket file it leaves behind (False: the next start must)."""
         self.stop(signal.SIGKILL)
+        if not unlink:
+            return
         try:
             os.unlink(self.socket)  # a killed daemon leaves its socket file behind
         except FileNotFoundError:

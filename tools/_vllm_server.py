@@ -214,15 +214,21 @@ class VllmServer:
                          int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0),
                          int(usage.get("completion_tokens", 0)))
 
-    def complete(self, prompt: list[int], *, max_tokens: int = 8, logprobs: int = 1, salt: str | None = None,
-                 timeout: float = 300.0) -> dict[str, Any]:
+    def complete(self, prompt: list[int] | None, *, max_tokens: int = 8, logprobs: int = 1, salt: str | None = None,
+                 timeout: float = 300.0, model: str | None = None, extra: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
         """A greedy completion of token ids: ``tokens`` (the generated ids), ``logprobs`` (of each, by the
         model), ``prompt_tokens`` and ``cached_tokens`` (served from vLLM's own cache or tierkv). ``salt``:
-        vLLM's ``cache_salt`` (no block stored under another salt is reused)."""
-        body: dict[str, Any] = {"model": self.name, "prompt": list(prompt), "max_tokens": max_tokens,
-                                "temperature": 0.0, "logprobs": logprobs, "return_tokens_as_token_ids": True}
+        vLLM's ``cache_salt`` (no block stored under another salt is reused); ``model``: the served model
+        or LoRA adapter to ask (default the server's name); ``extra``: more request fields (with
+        ``prompt_embeds`` in them, ``prompt`` may be None)."""
+        body: dict[str, Any] = {"model": model or self.name, "max_tokens": max_tokens, "temperature": 0.0,
+                                "logprobs": logprobs, "return_tokens_as_token_ids": True}
+        if prompt is not None:
+            body["prompt"] = list(prompt)
         if salt:
             body["cache_salt"] = salt
+        body.update(extra or {})
         reply = self.post("/v1/completions", body, timeout=timeout)
         choice, usage = reply["choices"][0], reply.get("usage") or {}
         lp = choice.get("logprobs") or {}

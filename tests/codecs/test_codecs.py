@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tierkv.codecs import BlockHeader, CodecError, available_codecs, decode_block, encode_block, read_header
+from tierkv.codecs.container import FORMAT_VERSION
 from tierkv.core.errors import BadRequest, TierKVError
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
@@ -281,7 +282,7 @@ def test_header_fields(kv_sample):
     blob = encode_block(block, layout=layout, fingerprint=_fp(layout), key=KEY)
     h = read_header(blob)
     assert isinstance(h, BlockHeader)
-    assert (h.version, h.codec, h.dtype, h.layout, h.fingerprint) == (1, "lossless", "bfloat16", layout.to_dict(),
+    assert (h.version, h.codec, h.dtype, h.layout, h.fingerprint) == (FORMAT_VERSION, "lossless", "bfloat16", layout.to_dict(),
                                                                       _fp(layout))
     assert len(h.checksum) == 16 and h.header_len + h.payload_len == len(blob)
     assert [s.method for s in h.sections] == ["zstd", "raw"]

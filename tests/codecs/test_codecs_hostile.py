@@ -12,8 +12,16 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkv.codecs import CodecError, available_codecs, decode_block, encode_block, read_header
-from tierkv.codecs.container import pack_header, pack_params
+from tierkv.codecs import (
+    CodecError,
+    EarlierFormat,
+    ForeignBlock,
+    available_codecs,
+    decode_block,
+    encode_block,
+    read_header,
+)
+from tierkv.codecs.container import FORMAT_VERSION, pack_header, pack_params
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 
@@ -44,14 +52,28 @@ def test_valid_blob_decodes(blob):
 
 def test_foreign_namespace_wrong_key_wrong_layout(blob):
     other = Namespace("model-b", LAYOUT).fingerprint
-    with pytest.raises(CodecError, match="namespace"):
+    with pytest.raises(ForeignBlock, match="namespace"):
         _decode(blob, fp=other)
+    same_name_other_weights = Namespace("model-a", LAYOUT, identity="f" * 32).fingerprint
+    with pytest.raises(ForeignBlock, match="namespace"):
+        _decode(blob, fp=same_name_other_weights)
     with pytest.raises(CodecError, match="checksum"):
         _decode(blob, key=b"block-key-0002")
     with pytest.raises(CodecError, match="layout"):
         _decode(blob, layout=Layout(4, 2, 32, 16, "float16"))
     with pytest.raises(CodecError, match="layout"):
         _decode(blob, layout=Layout(2, 4, 32, 16, "bfloat16"))
+
+
+def test_a_block_of_the_earlier_format_is_a_miss_of_its_own_kind(blob):
+    old = bytearray(blob)
+    old[4] = FORMAT_VERSION - 1  # what an earlier tierkv wrote (its header hash made to match)
+    header_len = read_header(blob).header_len
+    struct.pack_into("<Q", old, header_len - 8, xxhash.xxh3_64_intdigest(bytes(old[:header_len - 8])))
+    with pytest.raises(EarlierFormat, match="earlier format"):
+        read_header(bytes(old))
+    with pytest.raises(EarlierFormat):
+        _decode(bytes(old))
 
 
 def test_every_truncation_and_extension_is_rejected(blob):

@@ -17,9 +17,11 @@ from tests.helpers import REPO
 from tests.redis_servers import need_redis
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.layout import Layout
+from tierkv.integrations.vllm.inputs import salt_root
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages
-from tierkv.integrations.vllm.plan import Planner, Role, salt_root
+from tierkv.integrations.vllm.plan import PlanGroup, Planner
+from tierkv.integrations.vllm.role import Role
 from tierkv.integrations.vllm.transfer import Transfers
 
 redis_server = redis_servers.redis_server
@@ -332,3 +334,84 @@ def test_the_sync_load_limit_is_read_from_the_extra_config_and_checked():
     for bad in (-1, "big", True, float("nan")):
         with pytest.raises(ValueError, match="sync_load_max_mib"):
             connector._sync_load_blocks({"sync_load_max_mib": bad}, 2**20)
+
+
+def _adapter(root, seed: int, name: str = "ada"):
+    """A PEFT adapter directory with random weights on k_proj/v_proj (a real adapter's files)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    d = root / name
+    d.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    save_file({f"base_model.model.model.layers.0.self_attn.{m}.lora_{ab}.weight": torch.randn(8, 8, generator=g)
+               for m in ("k_proj", "v_proj") for ab in "AB"}, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "peft_type": "LORA",
+                                                      "target_modules": ["k_proj", "v_proj"],
+                                                      "base_model_name_or_path": str(root / "base")}))
+    return d
+
+
+def _vllm_request(rid: str, tokens: list[int], **kw):
+    """vLLM's own Request object, as its scheduler hands it to the connector."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None, **kw)
+
+
+def test_adapters_images_and_prompt_embeddings_key_requests_apart(daemon, tmp_path):
+    """A request through an adapter never loads the base model's blocks (or another adapter's), and
+    shares with the same adapter under another name and path; an image or prompt embeddings key the
+    blocks they reach; a request with an input that cannot be identified is neither loaded nor stored."""
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from tierkv.integrations.vllm.inputs import AdapterIdentities, request_inputs
+
+    ns = Namespace("vllm-plan", LAYOUT, identity="a" * 32)
+    adapters = AdapterIdentities()
+    planner = Planner([PlanGroup(Link(daemon.socket, model="vllm-plan", layout=LAYOUT, identity=ns.identity), ns)],
+                      BT, identify=lambda r: request_inputs(r, BT, adapters))
+    tokens = list(range(3000, 3000 + 3 * BT + 1))
+    src = pages(seed=7)
+
+    def stored(req) -> int:
+        n, plan = prefill(planner, req, [1, 2, 3, 4])
+        Transfers(Link(daemon.socket, model="vllm-plan", layout=LAYOUT, identity=ns.identity), src).store(plan.stores)
+        return n
+
+    lora = LoRARequest("ada", 1, str(_adapter(tmp_path / "a", seed=0)))
+    same = LoRARequest("ada-copy", 2, str(_adapter(tmp_path / "b", seed=0, name="renamed")))
+    other = LoRARequest("other", 3, str(_adapter(tmp_path / "c", seed=1)))
+    assert stored(_vllm_request("base", tokens)) == 0
+    assert planner.matched_tokens(_vllm_request("base-again", tokens), 0) == (3 * BT, False)
+    assert planner.matched_tokens(_vllm_request("lora", tokens, lora_request=lora), 0) == (0, False)
+    assert stored(_vllm_request("lora-store", tokens, lora_request=lora)) == 0
+    assert planner.matched_tokens(_vllm_request("same", tokens, lora_request=same), 0) == (3 * BT, False)
+    assert planner.matched_tokens(_vllm_request("other", tokens, lora_request=other), 0) == (0, False)
+
+    def image(ident: str) -> MultiModalFeatureSpec:
+        return MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                     mm_position=PlaceholderRange(offset=BT + 5, length=20))
+
+    # the image sits in block 1: block 0 is the base model's, blocks 1 and 2 are keyed by the image
+    assert planner.matched_tokens(_vllm_request("img-a", tokens, mm_features=[image("img-a")]), 0) == (BT, False)
+    assert stored(_vllm_request("img-a-store", tokens, mm_features=[image("img-a")])) == BT
+    assert planner.matched_tokens(_vllm_request("img-a2", tokens, mm_features=[image("img-a")]), 0) == (3 * BT, False)
+    assert planner.matched_tokens(_vllm_request("img-b", tokens, mm_features=[image("img-b")]), 0) == (BT, False)
+
+    # prompt embeddings: their token ids are all placeholders; the embeddings key every block
+    g = torch.Generator().manual_seed(3)
+    e1, e2 = torch.randn(3 * BT + 1, 16, generator=g), torch.randn(3 * BT + 1, 16, generator=g)
+    assert stored(_vllm_request("e1", None, prompt_embeds=e1)) == 0
+    assert planner.matched_tokens(_vllm_request("e1-again", None, prompt_embeds=e1.clone()), 0) == (3 * BT, False)
+    assert planner.matched_tokens(_vllm_request("e2", None, prompt_embeds=e2), 0) == (0, False)
+
+    # an adapter that cannot be read: neither loaded nor stored, counted once per request
+    missing = LoRARequest("gone", 4, str(tmp_path / "no-such-adapter"))
+    req = _vllm_request("gone", tokens, lora_request=missing)
+    n, plan = prefill(planner, req, [1, 2, 3, 4])
+    assert n == 0 and not plan.loads and not plan.stores and planner.queued(req) == 0
+    assert planner.unidentified == 1

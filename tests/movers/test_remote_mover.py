@@ -152,7 +152,7 @@ class FakeTier:
             ok.append(v is not None and len(v) <= limit and use(i, memoryview(v)))
         return ok
 
-    def drop_corrupt(self, items, *, delete=True):
+    def drop_corrupt(self, items, *, delete=True, foreign=0):
         self.corrupt += items
         for item in items:
             self.values.pop(item, None)

@@ -25,7 +25,7 @@ from tests.helpers import Daemon, wait_for
 from tierkv.codecs import read_header
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.layout import Layout
-from tierkv.integrations.vllm.plan import salt_root
+from tierkv.integrations.vllm.inputs import salt_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(900)]
 
@@ -86,6 +86,13 @@ def stack(tmp_path_factory) -> Stack:
     s.close()
 
 
+def _identity(stack: Stack) -> str:
+    """The identity the server's connector registered its namespace with (the model's weights and settings)."""
+    found = {ns["identity"] for ns in stack.daemon.stats()["namespaces"].values() if ns["model"] == MODEL_ID}
+    assert len(found) == 1 and len(found.pop()) == 32
+    return next(ns["identity"] for ns in stack.daemon.stats()["namespaces"].values() if ns["model"] == MODEL_ID)
+
+
 def blocks(stack: Stack) -> int:
     return sum(t["blocks"] for t in stack.daemon.stats()["tiers"].values())
 
@@ -127,7 +134,7 @@ def test_vllm_blocks_hold_the_models_keys_and_values_in_tierkv_layout(stack):
     msgs = chat("harbour")
     stack.server.chat(msgs, max_tokens=4)
     tokens = stack.server.tokenize(msgs)
-    with tierkv.Client.connect(stack.daemon.socket, model=MODEL_ID, layout=LAYOUT) as c:
+    with tierkv.Client.connect(stack.daemon.socket, model=MODEL_ID, layout=LAYOUT, identity=_identity(stack)) as c:
         keys = c.block_keys(tokens)[:2]
         assert c.lookup(keys) == 2
         blocks = c.get(keys)  # [2, 2 (K, V), layers, heads, 128, 64]
@@ -153,7 +160,7 @@ def test_cache_salt_keeps_tenants_apart(stack):
     assert stack.server.chat(msgs, salt="tenant-a").cached_tokens > 0  # its own are
     stack.server.reset_prefix_cache()
     assert stack.server.chat(msgs, salt="tenant-b").cached_tokens == 0
-    ns = Namespace(MODEL_ID, LAYOUT)
+    ns = Namespace(MODEL_ID, LAYOUT, identity=_identity(stack))
     assert salt_root(ns.fingerprint, "tenant-a") != salt_root(ns.fingerprint, "tenant-b")
 
 
@@ -202,7 +209,7 @@ def test_offline_llm_in_another_process_reloads_the_servers_blocks(stack):
 
 
 def _lmdb_key(stack: Stack, msgs, block: int) -> bytes:
-    fp = Namespace(MODEL_ID, LAYOUT).fingerprint
+    fp = Namespace(MODEL_ID, LAYOUT, identity=_identity(stack)).fingerprint
     return fp + chain_keys(fp, stack.server.tokenize(msgs), BT)[block]
 
 

@@ -131,7 +131,7 @@ def test_each_group_stores_the_prompts_pages_with_its_own_layers(runs, arch):
         layout = tierkv.Layout.from_dict(ns["layout"])
         hit = (len(PROMPT) - 1) // layout.block_tokens * layout.block_tokens
         assert ns["blocks"] == hit // layout.block_tokens
-        with tierkv.Client.connect(run.socket, model=model, layout=layout) as c:
+        with tierkv.Client.connect(run.socket, model=model, layout=layout, identity=ns["identity"]) as c:
             blocks = c.get(c.block_keys(PROMPT)).float()  # [blocks, planes, layers, heads, tokens, dim]
         layers = kinds[model.split("#")[1].split(".")[1].rstrip("0123456789")]
         assert layout.num_layers == len(layers)

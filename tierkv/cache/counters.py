@@ -20,6 +20,8 @@ class TierCounters:
     demotions: int = 0
     promotions: int = 0
     corrupt: int = 0
+    foreign: int = 0         # intact values of another namespace (identity) under a key: misses, dropped
+    earlier_format: int = 0  # values an earlier tierkv wrote, dropped at start
     errors: int = 0
     bytes_logical: int = 0
     bytes_stored: int = 0
@@ -46,6 +48,14 @@ class TierCounters:
     def corrupt_dropped(self, n: int) -> None:
         """``n`` stored values were bad and are dropped."""
         self.corrupt += n
+
+    def foreign_dropped(self, n: int) -> None:
+        """``n`` stored values belonged to another namespace than their key's and are dropped."""
+        self.foreign += n
+
+    def earlier_dropped(self, n: int) -> None:
+        """``n`` stored values of an earlier format are dropped."""
+        self.earlier_format += n
 
     def failed(self, n: int = 1) -> None:
         """``n`` operations on this tier failed."""

@@ -140,5 +140,8 @@ class DiskPlacement:
         if error.startswith("io"):
             self.stats.errors += 1
             return False
-        self.stats.corrupt += 1
+        if error.startswith("foreign"):
+            self.stats.foreign_dropped(1)
+        else:
+            self.stats.corrupt += 1
         return True

@@ -66,12 +66,13 @@ class Connection:
     # ---- connection -------------------------------------------------------------------------------
     @classmethod
     def connect(cls, socket: str | os.PathLike | None = None, *, model: str, layout: Layout, tp_rank: int = 0,
-                tp_size: int = 1, timeout: float = 10.0, populate: bool = True, lookup_index: bool = True) -> Self:
+                tp_size: int = 1, timeout: float = 10.0, populate: bool = True, lookup_index: bool = True,
+                identity: str = "") -> Self:
         """Connect to the daemon and register the namespace.
 
         Args:
             socket: the daemon's socket path (default: ``$TIERKV_SOCKET`` or the daemon's default).
-            model: model id; part of the namespace, so blocks are never shared across models.
+            model: model id: a readable label; without ``identity`` it is also what keeps blocks apart.
             layout: the model's KV geometry.
             tp_rank: tensor-parallel rank of this engine process.
             tp_size: tensor-parallel world size.
@@ -79,6 +80,9 @@ class Connection:
             populate: map every page of the pool at connect (no page faults later).
             lookup_index: answer :meth:`lookup` from the daemon's shared lookup index (False: always ask
                 the daemon through the socket).
+            identity: the model's identity (:func:`tierkv.client.identity.model_identity`): blocks are
+                shared with every engine of the same identity, whatever its model id, and with no other.
+                Empty: the model id alone asserts which weights these are.
 
         Raises:
             ConnectionFailed: no daemon answers at that path.
@@ -86,7 +90,10 @@ class Connection:
         """
         if not isinstance(layout, Layout):
             raise BadRequest("layout must be a tierkv.Layout")
-        ns = Namespace(model, layout, tp_rank, tp_size)
+        try:
+            ns = Namespace(model, layout, tp_rank, tp_size, identity=identity)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         path = str(socket or default_socket())
         s, body, fds = hello(path, ns, timeout)
         gpu, index = body.get("gpu"), body.get("lookup_index")

@@ -13,10 +13,10 @@ codec and old blocks stay readable.
 
 from __future__ import annotations
 
-from tierkv.codecs.container import BlockHeader, CodecError, Section
+from tierkv.codecs.container import BlockHeader, CodecError, EarlierFormat, ForeignBlock, Section
 from tierkv.codecs.encoding import decode_block, encode_block
 from tierkv.codecs.header import read_header
 from tierkv.codecs.registry import available_codecs, get_codec
 
-__all__ = ["BlockHeader", "CodecError", "Section", "available_codecs", "decode_block", "encode_block", "get_codec",
+__all__ = ["BlockHeader", "CodecError", "EarlierFormat", "ForeignBlock", "Section", "available_codecs", "decode_block", "encode_block", "get_codec",
            "read_header"]

@@ -30,7 +30,9 @@ from tierkv.core.errors import TierKVError
 from tierkv.core.layout import Layout
 
 MAGIC = b"TKVB"
-FORMAT_VERSION = 1
+# 2: blocks are keyed under namespaces that carry the model's identity (its weights, config and dtype),
+# not its name; a block of format 1 belongs to a namespace no engine registers any more, and is dropped.
+FORMAT_VERSION = 2
 FINGERPRINT_BYTES = 16
 MAX_PARAMS_BYTES = 512
 MAX_SECTIONS = 16
@@ -64,6 +66,14 @@ class CodecError(TierKVError):
     """A stored block is corrupt, truncated, foreign or hostile; treat it as a miss."""
 
     code = "corrupt"
+
+
+class ForeignBlock(CodecError):
+    """An intact block of another namespace (other weights, adapter, layout or format): a miss."""
+
+
+class EarlierFormat(CodecError):
+    """A block an earlier tierkv wrote (an older container format): a miss, dropped."""
 
 
 @dataclass(frozen=True, slots=True)

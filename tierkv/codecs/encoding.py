@@ -17,6 +17,7 @@ from tierkv.codecs.container import (
     FINGERPRINT_BYTES,
     SCOPE_RAW,
     CodecError,
+    ForeignBlock,
     pack_header,
     pack_params,
 )
@@ -170,7 +171,7 @@ def decode_block(blob: Any, *, layout: Layout, fingerprint: bytes, key: bytes, o
     target = None if out is None else _as_u8(out, layout.block_bytes, writable=True, what="out")
     h = read_header(blob)
     if h.fingerprint != fp:
-        raise CodecError("block belongs to another namespace (fingerprint mismatch)")
+        raise ForeignBlock("block belongs to another namespace (fingerprint mismatch)")
     if h.layout != layout.to_dict():
         raise CodecError(f"block layout {h.layout} does not match {layout.to_dict()}")
     codec = get_codec(h.codec)

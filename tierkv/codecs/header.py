@@ -22,6 +22,7 @@ from tierkv.codecs.container import (
     MAX_SECTIONS,
     BlockHeader,
     CodecError,
+    EarlierFormat,
     Section,
     _compress_bound,
     unpack_params,
@@ -76,11 +77,10 @@ def read_header(blob: Any) -> BlockHeader:
 
 
 def _check_framing(mv: memoryview, magic: bytes, version: int, params_len: int, n_sections: int) -> int:
-    """Check magic, version, declared sizes and the header hash; return the header length."""
+    """Check magic, declared sizes, the header hash and the version; return the header length. A value of
+    an earlier format (its header whole) is an :class:`EarlierFormat`; formats 1 and 2 frame alike."""
     if magic != MAGIC:
         raise CodecError("not a tierkv block (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CodecError(f"unsupported block format version {version}")
     if params_len > MAX_PARAMS_BYTES or n_sections > MAX_SECTIONS:
         raise CodecError("header declares too many parameters or sections")
     header_len = _FIXED.size + params_len + n_sections * _SECTION.size + _HASH.size
@@ -89,6 +89,10 @@ def _check_framing(mv: memoryview, magic: bytes, version: int, params_len: int, 
     (stored_hash,) = _HASH.unpack_from(mv, header_len - _HASH.size)
     if xxhash.xxh3_64_intdigest(mv[:header_len - _HASH.size]) != stored_hash:
         raise CodecError("block header hash mismatch")
+    if 1 <= version < FORMAT_VERSION:
+        raise EarlierFormat(f"block of the earlier format {version} (this tierkv writes {FORMAT_VERSION})")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"unsupported block format version {version}")
     return header_len
 
 

@@ -80,7 +80,7 @@ class BlockStore:
         self.gpup = self._attach_gpu()
         self._wire()
         if self.disk is not None:
-            scrub.scan_disk(self.disk, table, self.diskp)
+            scrub.save_scan(data_dir, scrub.scan_disk(self.disk, table, self.diskp))
         if self.events is not None:
             self.events.start()
         self.evictor.start()

@@ -53,19 +53,25 @@ class FetchPath:
             out += ["remote"] * self.remote.prefix_len(fp, keys[len(out):])
         return out
 
-    def lookup_tokens(self, model: str, tp_rank: int, tokens: list[int]) -> dict:
+    def lookup_tokens(self, model: str, tp_rank: int, tokens: list[int], identity: str | None = None) -> dict:
         """For a router: the leading tokens of prompt ``tokens`` each tier holds
         (:func:`~tierkv.core.prefix.tier_tokens`), keyed in the namespace a connected engine of ``model``
-        registered at ``tp_rank``.
+        registered at ``tp_rank`` (with ``identity``, or a prefix of it, where engines of several
+        identities serve that model id).
 
         Raises:
-            BadRequest: no connected engine of that model at that rank.
+            BadRequest: no connected engine of that model at that rank, or several and no identity to choose.
         """
         with self.ctx.lock:
-            ns = next((n for n in self.table.namespaces.values() if n.model == model and n.tp_rank == tp_rank),
-                      None)
-        if ns is None:
-            raise BadRequest(f"no connected engine serves model {model!r} at TP rank {tp_rank}")
+            found = {n.identity: n for n in self.table.namespaces.values() if n.model == model
+                     and n.tp_rank == tp_rank and (not identity or n.identity.startswith(identity))}
+        if not found:
+            raise BadRequest(f"no connected engine serves model {model!r} at TP rank {tp_rank}"
+                             + (f" with identity {identity}" if identity else ""))
+        if len(found) > 1:
+            raise BadRequest(f"model {model!r} is served under {len(found)} identities "
+                             f"({', '.join(sorted(i[:16] for i in found))}): name one")
+        ns = next(iter(found.values()))
         bt = ns.layout.block_tokens
         keys = chain_keys(ns.fingerprint, tokens, bt)
         return tier_tokens(self.lookup(ns.fingerprint, keys) if keys else [], bt, len(tokens))

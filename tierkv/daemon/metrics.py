@@ -40,6 +40,9 @@ _TIER_COUNTERS = (
     ("demotions", "demotions", "Blocks moved from the tier to a colder one."),
     ("promotions", "promotions", "Blocks moved into the tier from a colder one."),
     ("corrupt", "corrupt_values", "Values that failed their checksum or header check (served as misses)."),
+    ("foreign", "foreign_values", "Intact values of another namespace (other weights, adapter or layout) found "
+     "under a key: served as misses and dropped."),
+    ("earlier_format", "earlier_format_values", "Values an earlier tierkv wrote, dropped at start."),
     ("errors", "errors", "I/O or transport errors of the tier."),
     ("dropped_unwritten", "dropped_unwritten", "Blocks dropped before their write to a colder tier: a store "
      "needed room faster than the writer could clean blocks."),
@@ -259,7 +262,8 @@ def _lookup(server: Any, query: dict[str, list[str]]) -> tuple[int, dict]:
         store = server.store
         if store is None:
             return 503, {"error": "the daemon is starting"}
-        return 200, store.fetch_path.lookup_tokens(model, int(rank), tokens)
+        identity = query.get("identity", [""])[0] or None
+        return 200, store.fetch_path.lookup_tokens(model, int(rank), tokens, identity)
     except (ValueError, TierKVError) as exc:
         return 400, {"error": str(exc)}
 

@@ -1,46 +1,63 @@
-"""The disk tier's start-up scan: it rebuilds a record per stored value and drops values with a bad header
-(``tierkv verify``, which decodes every value, is a mover job: :meth:`~tierkv.daemon.tier_jobs.TierJobs.verify`)."""
+"""The disk tier's start-up scan: it rebuilds a record per stored value and drops values with a bad header,
+of another namespace than their key's, or of an earlier format (``tierkv verify``, which decodes every
+value, is a mover job: :meth:`~tierkv.daemon.tier_jobs.TierJobs.verify`). What the scan dropped is kept in
+``last-scan.json`` in the data directory, where ``tierkv doctor`` reads it."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from tierkv.cache.block import Block
 from tierkv.cache.disk_placement import DiskPlacement
 from tierkv.cache.table import BlockTable
-from tierkv.core.keys import FINGERPRINT_BYTES
-from tierkv.movers.disk_scan import header_of, scan_headers
+from tierkv.movers.disk_scan import CORRUPT, EARLIER, FOREIGN, REASONS, header_of, scan_headers
 from tierkv.tiers.disk import DiskTier
-
-if TYPE_CHECKING:
-    from tierkv.codecs import BlockHeader
 
 log = logging.getLogger("tierkv.table")
 
-
-def _record(table: BlockTable, diskp: DiskPlacement, lk: bytes, found: tuple[BlockHeader | None, int] | None) -> bool:
-    """Record a stored value whose header (and stored size) names the key's namespace; False for a bad one."""
-    h, stored = found if found is not None else (None, 0)
-    if h is None:
-        return False
-    if len(lk) <= FINGERPRINT_BYTES or bytes(h.fingerprint) != lk[:FINGERPRINT_BYTES]:
-        return False
-    diskp.added(table.add(Block(lk, h.raw_len, on_disk=True, disk_bytes=stored)))
-    return True
+SCAN_FILE = "last-scan.json"
 
 
-def scan_disk(disk: DiskTier, table: BlockTable, diskp: DiskPlacement) -> None:
-    """Rebuild the records in ``table`` (and ``diskp``'s figures) of every block on ``disk``; a value with
-    a bad header is dropped. Runs at start-up, before any request."""
+def scan_disk(disk: DiskTier, table: BlockTable, diskp: DiskPlacement) -> dict[str, int]:
+    """Rebuild the records in ``table`` (and ``diskp``'s figures) of every block on ``disk``; a bad value
+    is dropped. Runs at start-up, before any request. Returns the blocks kept and dropped, by reason."""
     t0 = time.perf_counter()
-    bad = [lk for lk, h, stored in scan_headers(disk) if not _record(table, diskp, lk, (h, stored))]
+    bad: dict[bytes, str] = {}
+    for lk, h, stored in scan_headers(disk):
+        if isinstance(h, str):
+            bad[lk] = h
+        else:
+            diskp.added(table.add(Block(lk, h.raw_len, on_disk=True, disk_bytes=stored)))
     # The scan reads headers through its own page walk; a value is dropped only if LMDB's own read
     # agrees that it is bad (a walk that went wrong must never cost stored blocks).
-    bad = [lk for lk in bad if not _record(table, diskp, lk, header_of(disk, lk))]
+    for lk in list(bad):
+        found = header_of(disk, lk)
+        if found is not None and not isinstance(found[0], str):
+            diskp.added(table.add(Block(lk, found[0].raw_len, on_disk=True, disk_bytes=found[1])))
+            del bad[lk]
+    counts = {why: sum(1 for w in bad.values() if w == why) for why in REASONS}
     if bad:
-        disk.delete(bad)
-        diskp.corrupt_dropped(len(bad))
-    log.info("disk tier: %d blocks (%d dropped as corrupt) scanned in %.2fs", len(table), len(bad),
-             time.perf_counter() - t0)
+        disk.delete(list(bad))
+        diskp.stats.corrupt_dropped(counts[CORRUPT])
+        diskp.stats.foreign_dropped(counts[FOREIGN])
+        diskp.stats.earlier_dropped(counts[EARLIER])
+    log.info("disk tier: %d blocks scanned in %.2fs; dropped %d of an earlier format, %d of another namespace "
+             "than their key's, %d corrupt", len(table), time.perf_counter() - t0, counts[EARLIER],
+             counts[FOREIGN], counts[CORRUPT])
+    return {"blocks": len(table), **counts}
+
+
+def save_scan(data_dir: str | os.PathLike[str], summary: dict[str, int]) -> None:
+    """Keep what the start-up scan found (``tierkv doctor`` reports it); a failure only logs."""
+    path = Path(data_dir) / SCAN_FILE
+    try:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"at": time.time(), **summary}))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot keep the start-up scan's summary in %s: %s", path, exc)

@@ -50,7 +50,8 @@ class Snapshots:
         e = self.engine
         with self.ctx.lock:
             t = self.table
-            namespaces = {ns.fingerprint.hex(): {"model": ns.model, "layout": ns.layout.to_dict(),
+            namespaces = {ns.fingerprint.hex(): {"model": ns.model, "identity": ns.identity,
+                                                 "layout": ns.layout.to_dict(),
                                                  "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
                                                  "blocks": t.ns_blocks.get(fp, 0),
                                                  "hits": t.ns_hits.get(fp, (0, 0))[0],

@@ -18,7 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.codecs import CodecError, decode_block, encode_block, read_header
+from tierkv.codecs import CodecError, ForeignBlock, decode_block, encode_block, read_header
 from tierkv.core.errors import TierFull, TierKVError
 from tierkv.core.keys import FINGERPRINT_BYTES
 from tierkv.core.layout import Layout
@@ -314,6 +314,8 @@ class DiskMover:
             else:
                 m.stored_bytes = got
                 m.ok = True
+        except ForeignBlock as exc:
+            m.error = f"foreign: {exc}"
         except CodecError as exc:
             m.error = f"corrupt: {exc}"
         except DiskError as exc:

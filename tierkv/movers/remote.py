@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tierkv.codecs import CodecError, decode_block, encode_block, read_header
+from tierkv.codecs import CodecError, ForeignBlock, decode_block, encode_block, read_header
 from tierkv.core.errors import BadRequest, TierKVError
 from tierkv.core.layout import Layout
 from tierkv.movers.budget import LinkBudgets
@@ -138,12 +138,16 @@ class RemoteMover:
         for _ in items:
             self.budgets.acquire(LINK, layout.block_bytes)
         bad: list[int] = []
+        foreign: list[int] = []
 
         def use(i: int, value: memoryview) -> bool:
             fp, k = items[i]
             try:
                 decode_block(value, layout=layout, fingerprint=fp, key=k, out=outs[i])
                 return True
+            except ForeignBlock:
+                foreign.append(i)
+                return False
             except CodecError:
                 bad.append(i)
                 return False
@@ -151,8 +155,8 @@ class RemoteMover:
         # Bound what a hostile value can make us allocate: a container is never much above the raw block.
         limit = layout.block_bytes + layout.block_bytes // 64 + (64 << 10)
         ok = self.tier.read_each(items, use, limit=limit)
-        if bad:
-            self.tier.drop_corrupt([items[i] for i in bad], delete=delete_corrupt)
+        if bad or foreign:
+            self.tier.drop_corrupt([items[i] for i in bad + foreign], delete=delete_corrupt, foreign=len(foreign))
         return ok
 
     def close(self) -> None:

@@ -4,7 +4,9 @@
 (against the namespace fingerprint and the key it is stored under) are checked, and bad entries are
 reported and, with ``--drop``, deleted. ``doctor`` looks for what a crashed daemon or a bad set-up
 leaves behind: stale socket files, loose permissions, stale LMDB reader slots, ``/dev/shm`` leftovers
-and a file system too small for the configured disk tier. It prints one line per finding.
+and a file system too small for the configured disk tier, and says what the daemon's last start dropped
+from the disk tier (blocks of an earlier format, of another namespace, corrupt). It prints one line per
+finding.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import stat
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,6 +214,27 @@ def check_shm() -> list[Finding]:
     return out
 
 
+def check_scan(data_dir: Path) -> list[Finding]:
+    """What the daemon's last start dropped from the disk tier (``last-scan.json``, written by its scan)."""
+    path = data_dir / "last-scan.json"
+    try:
+        d = json.loads(path.read_text())
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(d["at"])))
+        blocks, earlier, foreign, corrupt = (int(d.get(k, 0)) for k in ("blocks", "earlier_format", "foreign",
+                                                                         "corrupt"))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [Finding("warn", f"{path} cannot be read ({exc})")]
+    text = f"the daemon's last start ({at}) found {blocks} disk blocks"
+    if not (earlier or foreign or corrupt):
+        return [Finding("ok", text + " and dropped none")]
+    parts = [f"{earlier} of an earlier format (keyed without the model's identity; no engine asks for them "
+             "any more)" if earlier else "", f"{foreign} of another namespace than their key's" if foreign else "",
+             f"{corrupt} corrupt" if corrupt else ""]
+    return [Finding("ok", text + " and dropped " + ", ".join(p for p in parts if p))]
+
+
 def check_space(data_dir: Path, capacity: int) -> list[Finding]:
     """Free space where the disk tier lives, against its configured capacity."""
     probe = data_dir
@@ -244,7 +268,7 @@ def diagnose(socket: str | None, data_dir: str | None) -> list[Finding]:
         data_findings = check_private_path(data, "data dir", want_dir=True)
         findings += data_findings or [Finding("ok", f"data dir {data}: ours, mode {_mode(os.lstat(data))}")]
         if not any(f.level == "error" for f in data_findings):
-            findings += check_lmdb(data / "disk")
+            findings += check_lmdb(data / "disk") + check_scan(data)
     else:
         findings.append(Finding("ok", f"data dir {data} does not exist yet"))
     findings += check_shm()

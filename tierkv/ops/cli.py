@@ -189,11 +189,12 @@ def _print_stats(r: dict) -> None:
                       + (" (full: lookups go through the socket)" if li["overflow"] else ""))
     if r["namespaces"]:
         n = Table(title="namespaces")
-        for c in ("fingerprint", "model", "layout", "tp", "blocks", "fetched", "missed"):
+        for c in ("fingerprint", "model", "identity", "layout", "tp", "blocks", "fetched", "missed"):
             n.add_column(c)
         for fp, d in r["namespaces"].items():
             lo = d["layout"]
-            n.add_row(fp[:12], d["model"], f"{lo['num_layers']}x{lo['num_kv_heads']}x{lo['head_dim']} "
+            n.add_row(fp[:12], d["model"], d.get("identity", "")[:16] or "(by name)",
+                      f"{lo['num_layers']}x{lo['num_kv_heads']}x{lo['head_dim']} "
                       f"T{lo['block_tokens']} {lo['dtype']}", str(d["tp_rank"]), str(d["blocks"]),
                       str(d.get("hits", 0)), str(d.get("misses", 0)))
         console.print(n)

@@ -1,6 +1,6 @@
 """Frozen prefixes on disk: export a cached prefix to a file, and preload + pin it in a daemon.
 
-The file is a plain ``.npz`` (loaded with ``allow_pickle=False``): ``meta`` (JSON: model, layout,
+The file is a plain ``.npz`` (loaded with ``allow_pickle=False``): ``meta`` (JSON: model, identity, layout,
 tensor-parallel rank and size), ``token_ids`` (int64) and ``blocks`` (the raw block bytes, uint8
 ``[n, block_bytes]``). Keys are recomputed from the tokens, so a file is valid for any daemon.
 """
@@ -29,7 +29,8 @@ def export_prefix(client: Client, token_ids: Sequence[int] | np.ndarray, path: s
     keys = client.block_keys(tokens)
     blocks = client.get(keys)
     ns = client.namespace
-    meta = {"model": ns.model, "layout": ns.layout.to_dict(), "tp_rank": ns.tp_rank, "tp_size": ns.tp_size}
+    meta = {"model": ns.model, "identity": ns.identity, "layout": ns.layout.to_dict(), "tp_rank": ns.tp_rank,
+            "tp_size": ns.tp_size}
     raw = blocks.reshape(len(keys), -1).view(torch.uint8).numpy()
     with open(path, "wb") as f:
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
@@ -57,7 +58,8 @@ def preload_file(socket: str | None, path: str | os.PathLike, priority: int = 80
         raise BadRequest(f"{path}: blocks do not match the layout in the file")
     blocks = torch.from_numpy(raw).view(layout.torch_dtype).reshape(layout.batch_shape(n))
     with Client.connect(socket, model=meta["model"], layout=layout, tp_rank=int(meta.get("tp_rank", 0)),
-                        tp_size=int(meta.get("tp_size", 1)), populate=False) as c:
+                        tp_size=int(meta.get("tp_size", 1)), identity=str(meta.get("identity", "")),
+                        populate=False) as c:
         keys = c.block_keys(tokens)
         for i in range(0, n, PRELOAD_CHUNK):
             c.put(keys[i:i + PRELOAD_CHUNK], blocks[i:i + PRELOAD_CHUNK])

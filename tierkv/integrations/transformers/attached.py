@@ -219,13 +219,17 @@ class AttachedLM:
 
 
 def attach(model: Any, socket: str | None = None, *, model_id: str | None = None,
-           block_tokens: int = DEFAULT_BLOCK_TOKENS, store_dtype: Any = None, **kwargs: Any) -> AttachedLM:
+           block_tokens: int = DEFAULT_BLOCK_TOKENS, store_dtype: Any = None, identity: str | None = None,
+           **kwargs: Any) -> AttachedLM:
     """Connect to a tierkv daemon with ``model``'s layout and return the attached model.
 
     Args:
         model: a transformers causal LM.
         socket: daemon socket path (``None``: the default path).
-        model_id: the namespace's model name (default the config's ``_name_or_path``).
+        model_id: the namespace's readable label (default the config's ``_name_or_path``).
+        identity: the model's identity (None: taken from its loaded weights, an adapter's included, its
+            config and dtype, as :func:`~tierkv.client.identity.model_identity` does; blocks are shared
+            with every engine of the same identity).
         block_tokens: tokens per block.
         store_dtype: stored dtype; default the model's cache dtype (exact warm runs). ``"bfloat16"``
             or ``"float16"`` halve the bytes of a float32 model.
@@ -235,5 +239,10 @@ def attach(model: Any, socket: str | None = None, *, model_id: str | None = None
 
     layout = model_layout(model, block_tokens, dtype_name(store_dtype) if store_dtype is not None else None)
     name = model_id or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
-    client = Client.connect(socket, model=name, layout=layout)
+    if identity is None:
+        from tierkv.client.identity import model_identity, tensors_digest
+
+        identity = model_identity(weights=tensors_digest(model.state_dict()), config=model.config.to_dict(),
+                                  dtype=str(getattr(model, "dtype", "")), kv_cache_dtype=layout.dtype)
+    client = Client.connect(socket, model=name, layout=layout, identity=identity)
     return AttachedLM(model, client, owns_client=True, **kwargs)

@@ -7,11 +7,13 @@ Load it with::
         "kv_connector_extra_config": {"socket": "/path/tierkv.sock"}}'
 
 ``kv_connector_extra_config`` keys: ``socket`` (the daemon's socket; default the client's default),
-``model_id`` (the namespace's model name; default the model directory's name or the hub id),
+``model_id`` (the namespace's readable label; default the model directory's name or the hub id),
 ``sync_load_max_mib`` (a cached prefix in host memory up to this size is copied inside the step, a
-longer one beside it, as a prefix on disk is; default: no limit).
+longer one beside it, as a prefix on disk is; default: no limit), ``identity`` (``sampled`` or ``full``:
+how the weights are digested) and ``identity_override`` (see
+:mod:`~tierkv.integrations.vllm.inputs`: blocks are keyed by the model's identity, not its label).
 
-``kv_role`` (:class:`~tierkv.integrations.vllm.plan.Role`): ``kv_both`` loads and stores, committing
+``kv_role`` (:class:`~tierkv.integrations.vllm.role.Role`): ``kv_both`` loads and stores, committing
 behind the step; ``kv_producer`` (a prefill instance) stores every full block of the prompt, vLLM's
 own prefix hits included, and commits them within the step, so they are in tierkv when the response
 leaves (and, where the daemon has a remote tier, written through to it: a consumer on another node whose
@@ -54,9 +56,16 @@ from tierkv.core.keys import Namespace
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.grouped import GroupTransfers
 from tierkv.integrations.vllm.groups import GroupSpec, group_specs, namespace_model
+from tierkv.integrations.vllm.inputs import (
+    AdapterIdentities,
+    IdentityUnknown,
+    engine_identity,
+    request_inputs,
+)
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages, cpu_layout_ok
-from tierkv.integrations.vllm.plan import BlockIO, PlanGroup, Planner, PrefillMeter, Role
+from tierkv.integrations.vllm.plan import BlockIO, PlanGroup, Planner, PrefillMeter
+from tierkv.integrations.vllm.role import Role
 from tierkv.integrations.vllm.stats import TierKVConnectorStats, TierKVPromMetrics
 from tierkv.integrations.vllm.transfer import Transfers
 
@@ -121,6 +130,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._whole_requests = len(self._groups) > 1 or any(g.reach is not None for g in self._groups)
         if self._whole_requests and not hasattr(KVConnectorBase_V1, "get_transfer_results"):
             self._groups, why = [], "this vLLM cannot take a failed load per request (hybrid or sliding-window model)"
+        identity = ""
+        if self._groups:
+            try:
+                identity = engine_identity(vllm_config, extra)
+            except IdentityUnknown as exc:
+                self._groups, why = [], f"cannot identify the model's weights ({exc}); set identity_override " \
+                                        "in kv_connector_extra_config to serve them anyway"
         if not self._groups:
             log.warning("tierkv: connector disabled: %s", why)
         par = vllm_config.parallel_config
@@ -128,6 +144,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._socket = extra.get("socket") or None
         self._model = _model_id(vllm_config, extra)
         self._models = namespace_model(self._model, self._groups)
+        self._identities = namespace_model(identity, self._groups) if identity else [""] * len(self._groups)
+        self._unidentified = 0  # the scheduler's count, as last reported
         self._planner: Planner | None = None
         self._meter: PrefillMeter | None = None
         self._transfers: GroupTransfers | None = None
@@ -137,16 +155,20 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             link = groups[0].link
             self._meter = PrefillMeter(lambda tokens, seconds: link.call(
                 lambda c: c.report_recompute(tokens, seconds)))
-            self._planner = Planner(groups, layout.block_tokens, stores=self._kv_role.stores,
-                                    sync_load_blocks=_sync_load_blocks(extra, layout.block_bytes), meter=self._meter)
-            log.info("tierkv: serving %s", "; ".join(_describe(g, m) for g, m in zip(self._groups, self._models)))
+            adapters, bt = AdapterIdentities(), layout.block_tokens
+            self._planner = Planner(groups, bt, stores=self._kv_role.stores,
+                                    sync_load_blocks=_sync_load_blocks(extra, layout.block_bytes), meter=self._meter,
+                                    identify=lambda request: request_inputs(request, bt, adapters))
+            log.info("tierkv: serving %s (identity %s)", "; ".join(_describe(g, m) for g, m in
+                                                                   zip(self._groups, self._models)), identity[:16])
 
     def _plan_group(self, i: int) -> PlanGroup:
         """Group ``i`` as the scheduler sees it: a connection to every tensor-parallel rank's namespace."""
-        g, model = self._groups[i], self._models[i]
+        g, model, identity = self._groups[i], self._models[i], self._identities[i]
         links = [Link(self._socket, model=model, layout=g.layout, tp_rank=r, tp_size=self._tp_size,
-                      announce=i == 0 and r == 0) for r in range(self._tp_size)]
-        return PlanGroup(links[0], Namespace(model, g.layout, 0, self._tp_size), g, tuple(links[1:]))
+                      identity=identity, announce=i == 0 and r == 0) for r in range(self._tp_size)]
+        return PlanGroup(links[0], Namespace(model, g.layout, 0, self._tp_size, identity=identity), g,
+                         tuple(links[1:]))
 
     # ---- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -157,12 +179,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
         parts = []
-        for g, model in zip(self._groups, self._models):
+        for g, model, identity in zip(self._groups, self._models, self._identities):
             pages = _pages(g, kv_caches, *self._write_dtypes)
             if pages is None:
                 return
             args: dict[str, Any] = dict(model=model, layout=g.layout, tp_rank=rank, tp_size=self._tp_size,
-                                        announce=False)  # the scheduler side says when the daemon goes and comes back
+                                        identity=identity, announce=False)  # the scheduler side says when the daemon goes and comes back
             # three connections: in-step loads (and a producer's stores), loads beside the step, and stores
             # committed behind the step (their slots and commits)
             behind = self._kv_role.stores and not self._kv_role.commit_in_step
@@ -215,10 +237,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return set() if self._transfers is None else self._transfers.take_load_errors()
 
     def get_kv_connector_stats(self) -> TierKVConnectorStats | None:
-        """Counters since the last call (tokens served and stored, times, errors)."""
-        if self._transfers is None:
+        """Counters since the last call (tokens served and stored, times, errors; the scheduler's:
+        requests neither stored nor loaded because an input could not be identified)."""
+        if self._transfers is not None:
+            return TierKVConnectorStats(data=self._transfers.take_counters().as_dict())
+        if self._planner is None or self._planner.unidentified == self._unidentified:
             return None
-        return TierKVConnectorStats(data=self._transfers.take_counters().as_dict())
+        new, self._unidentified = self._planner.unidentified - self._unidentified, self._planner.unidentified
+        return TierKVConnectorStats(data={"unidentified_requests": new})
 
     def shutdown(self) -> None:
         """Close the connections to the daemon."""

@@ -34,15 +34,17 @@ class Link:
         layout: the KV geometry.
         tp_rank: this worker's tensor-parallel rank.
         tp_size: the tensor-parallel world size.
+        identity: the model's identity (the namespace's; see :mod:`~tierkv.integrations.vllm.inputs`).
         clock: time source (seconds), for the backoff.
         announce: log the daemon going and coming back as warnings (one side of the connector does,
             so an outage costs one line); otherwise at debug level.
     """
 
     def __init__(self, socket: str | None, *, model: str, layout: Layout, tp_rank: int = 0, tp_size: int = 1,
-                 clock: Callable[[], float] = time.monotonic, announce: bool = True) -> None:
+                 identity: str = "", clock: Callable[[], float] = time.monotonic, announce: bool = True) -> None:
         self.socket = socket
-        self._args: dict[str, Any] = dict(model=model, layout=layout, tp_rank=tp_rank, tp_size=tp_size)
+        self._args: dict[str, Any] = dict(model=model, layout=layout, tp_rank=tp_rank, tp_size=tp_size,
+                                          identity=identity)
         self._clock = clock
         self._client: Client | None = None
         self._next_try = 0.0

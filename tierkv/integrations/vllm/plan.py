@@ -18,7 +18,7 @@ from the daemon's shared lookup index, so the scheduling hot path makes no round
 
 from __future__ import annotations
 
-import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,22 +27,16 @@ from typing import Any
 import numpy as np
 
 from tierkv.core.errors import TierKVError
-from tierkv.core.keys import KEY_BYTES, Namespace, chain_keys
+from tierkv.core.keys import Namespace, chain_keys
 from tierkv.integrations.vllm.groups import GroupSpec, find_hit
+from tierkv.integrations.vllm.inputs import Inputs, TokensOnly, salt_root
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.meter import PrefillMeter, wait_bound
 from tierkv.integrations.vllm.ranks import ask_ranks, finished, merge_plans
 
-__all__ = ["BlockIO", "PlanGroup", "Planner", "PrefillMeter", "StepPlan", "salt_root"]
+log = logging.getLogger("vllm.tierkv")
 
-
-def salt_root(fingerprint: bytes, salt: str | None) -> bytes | None:
-    """The parent key a request's chain starts from: None (the shared root) without a salt, else a
-    digest of the salt under the namespace, so tenants with different salts share no key."""
-    if not salt:
-        return None
-    return hashlib.blake2b(b"tierkv/cache_salt|" + salt.encode(), digest_size=KEY_BYTES,
-                           key=fingerprint).digest()
+__all__ = ["BlockIO", "PlanGroup", "Planner", "PrefillMeter", "StepPlan"]
 
 
 @dataclass(slots=True)
@@ -87,36 +81,7 @@ class _Request:
     load: list[BlockIO] | None = None  # a pending load, one per group
     wait_s: float | None = None   # the pending load is asynchronous, bounded by this
     waited: bool = False          # an asynchronous load was sent: the request never waits twice
-
-
-@dataclass(frozen=True, slots=True)
-class Role:
-    """What a ``kv_role`` does with tierkv: whether it stores, whether its stores commit before the
-    step ends (a producer's prompt must be in tierkv when its response reaches the proxy that sends the
-    request on to a consumer), and whether those commits wait for the write-through to the daemon's
-    remote tier (a consumer on another node, whose daemon shares it, finds the whole prompt). Every
-    role loads: tierkv is a cache, and a lost block is a recompute."""
-
-    stores: bool = True
-    commit_in_step: bool = False
-    write_through: bool = False
-
-    @classmethod
-    def of(cls, kv_role: str | None) -> Role:
-        """``kv_both`` (or unset): stores committed behind the step; ``kv_producer``: stores committed
-        within it, written through to the remote tier (if the daemon has one) before the commit
-        returns; ``kv_consumer``: never stores.
-
-        Raises:
-            ValueError: another role.
-        """
-        if kv_role in (None, "kv_both"):
-            return cls()
-        if kv_role == "kv_producer":
-            return cls(commit_in_step=True, write_through=True)
-        if kv_role == "kv_consumer":
-            return cls(stores=False)
-        raise ValueError(f"kv_role must be kv_both, kv_producer or kv_consumer, got {kv_role!r}")
+    inputs: Inputs | None = None  # None: an input cannot be identified; neither stored nor loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +121,13 @@ class Planner:
             loads beside it, so its copy does not stall the batch's decode (None: every one inside).
         meter: the engine's prefill speed as this scheduler measured it, for loads' bounds while the
             daemon knows none (a daemon just restarted).
+        identify: a request's inputs besides its token ids; raises ``ValueError`` when one cannot be
+            identified (the request is then neither stored nor loaded). Default: token ids alone.
     """
 
     def __init__(self, groups: Sequence[PlanGroup], block_tokens: int, stores: bool = True,
                  null_block: int = 0, sync_load_blocks: int | None = None,
-                 meter: PrefillMeter | None = None) -> None:
+                 meter: PrefillMeter | None = None, identify: Callable[[Any], Inputs] | None = None) -> None:
         if not groups:
             raise ValueError("a planner needs at least one KV cache group")
         self.groups = list(groups)
@@ -176,6 +143,9 @@ class Planner:
         self.whole_requests = len(self.groups) > 1 or self._windowed  # loads fail per request, never per block
         self._reqs: dict[str, _Request] = {}
         self._parked: list[BlockIO] = []  # asynchronous loads of requests vLLM does not schedule yet
+        self._identify = identify or (lambda request: TokensOnly())
+        self.unidentified = 0  # requests neither stored nor loaded: an input could not be identified
+        self._why_unidentified: set[str] = set()  # each reason is logged once
 
     @classmethod
     def single(cls, link: Link, namespace: Namespace, block_tokens: int, stores: bool = True) -> Planner:
@@ -187,20 +157,32 @@ class Planner:
         if st is None:
             salt = getattr(request, "cache_salt", None)
             n = len(self.groups)
-            st = _Request(request, [salt_root(g.namespace.fingerprint, salt) for g in self.groups],
-                          [[] for _ in range(n)], [[] for _ in range(n)])
+            try:
+                inputs: Inputs | None = self._identify(request)
+            except ValueError as exc:
+                inputs = None
+                self.unidentified += 1
+                if str(exc) not in self._why_unidentified:
+                    self._why_unidentified.add(str(exc))
+                    log.warning("tierkv: requests with an input tierkv cannot identify are neither stored nor "
+                                "loaded (%s)", exc)
+            adapter = inputs.adapter if inputs is not None else None
+            st = _Request(request, [salt_root(g.namespace.fingerprint, salt, adapter) for g in self.groups],
+                          [[] for _ in range(n)], [[] for _ in range(n)], inputs=inputs)
             self._reqs[request.request_id] = st
         return st
 
     def _keys(self, st: _Request, n_blocks: int) -> list[list[bytes]]:
-        """Per group, the first ``n_blocks`` chained keys of the request's tokens (extended as tokens arrive)."""
+        """Per group, the first ``n_blocks`` chained keys of the request's tokens and other inputs
+        (extended as tokens arrive)."""
         have = len(st.keys[0])
-        if n_blocks > have:
+        if n_blocks > have and st.inputs is not None:
             bt = self.block_tokens
             tokens = list(st.request.all_token_ids[have * bt:n_blocks * bt])
+            extras = st.inputs.extras(have, n_blocks)
             for g, keys in enumerate(st.keys):
                 fp = self.groups[g].namespace.fingerprint
-                keys.extend(chain_keys(fp, tokens, bt, keys[-1] if keys else st.roots[g]))
+                keys.extend(chain_keys(fp, tokens, bt, keys[-1] if keys else st.roots[g], extras))
         return [keys[:n_blocks] for keys in st.keys]
 
     def _ask(self, g: int, fn: Callable[..., Any]) -> list[Any] | None:
@@ -228,7 +210,7 @@ class Planner:
         st = self._state(request)
         st.load, st.wait_s = None, None
         bt = self.block_tokens
-        if num_computed_tokens % bt:
+        if num_computed_tokens % bt or st.inputs is None:
             return 0, False
         limit = (request.num_tokens - 1) // bt
         keys = self._keys(st, limit)
@@ -284,6 +266,8 @@ class Planner:
         """A request entered vLLM's queue: start promoting its cached prefix's disk blocks into host
         memory now (the daemon bounds what prefetches may hold); returns loads started."""
         st = self._state(request)
+        if st.inputs is None:
+            return 0
         limit = (request.num_tokens - 1) // self.block_tokens
         keys = self._keys(st, limit)
         hit = self._hit(keys, 0, limit) if limit else 0
@@ -346,6 +330,8 @@ class Planner:
         if st.load is not None:
             plan.loads.extend(st.load)
             st.load = None
+        if st.inputs is None:
+            return
         st.stored_blocks = max(st.stored_blocks, st.cached_blocks)
         full = min(tokens_after_step, st.request.num_tokens) // self.block_tokens
         full = min([full] + [len(ids) for ids in st.block_ids])

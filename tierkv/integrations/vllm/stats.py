@@ -33,6 +33,8 @@ _PROM = {
     "load_bytes": ("vllm:tierkv_load_bytes", "Bytes copied from tierkv into vLLM's pages."),
     "window_saved_bytes": ("vllm:tierkv_window_saved_bytes",
                            "Bytes of served blocks outside a sliding window: never moved."),
+    "unidentified_requests": ("vllm:tierkv_unidentified_requests",
+                              "Requests neither stored nor loaded: an input (adapter, image) could not be identified."),
 }
 
 
@@ -68,7 +70,8 @@ class TierKVConnectorStats(KVConnectorStats):
                 "store_errors": c.store_errors, "store_skipped": c.store_skipped,
                 "store_deduplicated": c.store_deduplicated,
                 "load_mib": round(c.load_bytes / (1 << 20), 1),
-                "window_saved_mib": round(c.window_saved_bytes / (1 << 20), 1)}
+                "window_saved_mib": round(c.window_saved_bytes / (1 << 20), 1),
+                "unidentified_requests": c.unidentified_requests}
 
     def is_empty(self) -> bool:
         """Nothing happened in the interval."""

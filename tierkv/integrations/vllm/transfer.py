@@ -58,6 +58,7 @@ class Counters:
     store_skipped: int = 0       # blocks not stored: the host tier had no room to spare at once
     store_steps: int = 0         # steps that stored something
     store_max_s: float = 0.0     # the longest store pass of one step (kept as a maximum, not summed)
+    unidentified_requests: int = 0  # neither stored nor loaded: an input could not be identified (scheduler)
     async_loads: int = 0         # requests loaded beside the forward pass
     async_hit_tokens: int = 0    # of ``hit_tokens``, served by asynchronous loads
     async_wait_s: float = 0.0    # their summed time from submission to done

@@ -56,6 +56,7 @@ class _Counters:
     hits: int = 0
     misses: int = 0          # absent, skipped while down, or failed
     corrupt: int = 0         # values that failed verification (or were not strings)
+    foreign: int = 0         # intact values of another namespace (identity) than their key's
     puts: int = 0            # values stored
     put_dropped: int = 0     # values not stored (down, full, denied, error)
     exists: int = 0          # keys probed with EXISTS
@@ -254,13 +255,16 @@ class RemoteTier:
         self.drop_corrupt([items[i] for i in bad])
         return ok
 
-    def drop_corrupt(self, items: Sequence[tuple[bytes, bytes]], *, delete: bool = True) -> None:
-        """Count values that failed verification as corrupt and delete them (``delete``)."""
+    def drop_corrupt(self, items: Sequence[tuple[bytes, bytes]], *, delete: bool = True, foreign: int = 0) -> None:
+        """Count values that failed verification (``foreign`` of them intact values of another namespace,
+        the rest corrupt) and delete them (``delete``)."""
         if not items:
             return
         with self._lock:
-            self._c.corrupt += len(items)
-        log.warning("remote tier: %d corrupt or foreign values%s", len(items), " (deleted)" if delete else "")
+            self._c.corrupt += len(items) - foreign
+            self._c.foreign += foreign
+        log.warning("remote tier: %d corrupt and %d foreign values%s", len(items) - foreign, foreign,
+                    " (deleted)" if delete else "")
         if delete:
             self.delete_many(items)
 
