@@ -682,8 +682,14 @@ def test_restart_with_another_namespace_never_serves_old_blocks(daemon_factory):
         "layers": Namespace("m", Layout(4, 1, 32, 16, "bfloat16")),
         "tp rank": Namespace("m", SMALL, tp_rank=1, tp_size=2),
         "tp size": Namespace("m", SMALL, tp_rank=0, tp_size=2),
-        "format version": Namespace("m", SMALL, format_version=2),
+        "identity (same name, other weights)": Namespace("m", SMALL, identity="f" * 32),
     }
+    rc = RawClient(d.socket)
+    try:  # a client of the earlier namespace format is refused with a reason, not served
+        status, reply = rc.hello({**Namespace("m", SMALL).to_dict(), "format_version": 1})
+        assert status != 0 and "namespace format 1" in reply["message"], reply
+    finally:
+        rc.close()
     for name, ns in variants.items():
         rc = RawClient(d.socket)
         try:
