@@ -9,7 +9,8 @@ replay needs a fixed ``PYTHONHASHSEED`` for the same prompts in every run.
   ``chunk_tokens`` tokens, replayed on its own clock stretched to a mean request rate;
 - ``chat``: multi-turn conversations (``tierkv.sim.chat_trace``): conversations start as a Poisson
   process, each turn's prompt is the whole conversation so far;
-- ``long``: 4k-8k-token prompts, each a shared document plus its own question, Poisson arrivals.
+- ``long``: 4k-8k-token prompts, each a shared document plus its own question, Poisson arrivals;
+- ``unique``: prompts that share nothing (ids of their own), Poisson arrivals: a load without reuse.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tierkv.sim.chat_trace import ChatTraceSpec, generate
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 MOONCAKE_CHUNK = 512  # tokens per id in the Mooncake trace
 TRACE_START = 3700  # a window of the trace where requests reuse each other's prefixes (half of its ids)
-NAMES = ("trace", "chat", "long")
+NAMES = ("trace", "chat", "long", "unique")
 
 
 @dataclass
@@ -158,6 +159,20 @@ def long_prompts(requests: int, rate: float, *, documents: int = 6, chunk: int =
     return Workload("long", rows, chunk)
 
 
+def unique_prompts(requests: int, rate: float, *, chunk: int = 128, tokens: tuple[int, int] = (384, 2048),
+                   max_len: int = 8192, max_output: int = 16, seed: int = 0) -> Workload:
+    """Prompts of ``tokens`` tokens (uniform) that share no id, with Poisson arrivals at ``rate`` req/s:
+    nothing any cache holds is ever asked for again."""
+    rng = random.Random(seed)
+    rows, t = [], 0.0
+    for i in range(requests):
+        inp = min(rng.randint(*tokens), max_len - max_output)
+        rows.append({"timestamp": int(round(t * 1000)), "input_length": inp, "output_length": max_output,
+                     "hash_ids": [f"u{seed}.{i}.{j}" for j in range(-(-inp // chunk))]})
+        t += rng.expovariate(rate)
+    return Workload("unique", rows, chunk)
+
+
 def build(name: str, requests: int, rate: float, *, max_output: int, seed: int = 0,
           trace_start: int = TRACE_START, trace_chunk: int = 16, max_len: int = 8192,
           chat_turns: float = 4.0) -> Workload:
@@ -169,4 +184,6 @@ def build(name: str, requests: int, rate: float, *, max_output: int, seed: int =
         return chat(requests, rate, max_len=max_len, max_output=max_output, seed=seed, mean_turns=chat_turns)
     if name == "long":
         return long_prompts(requests, rate, max_len=max_len, max_output=max_output, seed=seed)
+    if name == "unique":
+        return unique_prompts(requests, rate, max_len=max_len, max_output=max_output, seed=seed)
     raise ValueError(f"unknown workload {name!r} (one of {', '.join(NAMES)})")

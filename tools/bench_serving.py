@@ -3,7 +3,8 @@ and vLLM + LMCache (MP mode), one after the other in one invocation.
 
 Workloads (Mooncake-format traces replayed on their own clock by the client's ``timed_trace``
 dataset; see tools/_serving_workloads.py): ``trace`` (a window of the shared Mooncake synthetic
-trace), ``chat`` (multi-turn conversations, Poisson starts), ``long`` (4k-8k-token prompts sharing
+trace), ``chat`` (multi-turn conversations, Poisson starts), ``unique`` (prompts that share nothing),
+``long`` (4k-8k-token prompts sharing
 documents). Pressures: the host tier holds the workload's working set (``full``) or a quarter of it
 (``quarter``; the rest on disk). vLLM's own KV cache is ``--vllm-blocks`` blocks of 128 tokens.
 
@@ -100,7 +101,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--configs", default="vllm,tierkv,lmcache", help="of: " + ",".join(configs.NAMES))
     ap.add_argument("--workloads", default="trace,chat,long", help="of: " + ",".join(workloads.NAMES))
     ap.add_argument("--pressures", default="full,quarter", help="of: " + ",".join(PRESSURES))
-    ap.add_argument("--requests", type=int, default=200, help="requests of the trace and chat workloads")
+    ap.add_argument("--requests", type=int, default=200, help="requests of the trace, chat and unique workloads")
     ap.add_argument("--long-requests", type=int, default=60, help="requests of the long workload")
     ap.add_argument("--trace-start", type=int, default=workloads.TRACE_START, help="trace: first row of the window")
     ap.add_argument("--trace-chunk", type=int, default=16, help="trace: tokens per 512-token id")
@@ -126,6 +127,7 @@ def add_run_args(ap: argparse.ArgumentParser, *, chat_rate: float, check_prompts
     ap.add_argument("--chat-rate", type=float, default=chat_rate, help="chat: mean requests/s")
     ap.add_argument("--chat-turns", type=_turns, default=4.0, help="chat: mean turns per conversation (>= 1)")
     ap.add_argument("--long-rate", type=float, default=0.04, help="long: requests/s")
+    ap.add_argument("--unique-rate", type=float, default=0.5, help="unique: requests/s")
     ap.add_argument("--max-output", type=int, default=16, help="output tokens per request, at most")
     ap.add_argument("--vllm-blocks", type=int, default=65,
                     help="vLLM's own KV cache per instance, 128-token blocks (requests clipped to one block less)")
@@ -148,7 +150,7 @@ def main() -> None:
             raise SystemExit(f"unknown {', '.join(bad)} (one of {', '.join(known)})")
     model = str(ensure_converted())
     bb = block_bytes(model)
-    rates = {"trace": args.trace_rate, "chat": args.chat_rate, "long": args.long_rate}
+    rates = {"trace": args.trace_rate, "chat": args.chat_rate, "long": args.long_rate, "unique": args.unique_rate}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-serving-"))
     report: dict = {"args": vars(args), "block_bytes": bb, "workloads": {}, "runs": []}
     max_len = configs.max_request_len(args.vllm_blocks)

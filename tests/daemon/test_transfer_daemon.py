@@ -169,7 +169,7 @@ def _every_core_spinning(cores: int) -> Iterator[None]:
             p.wait()
 
 
-def test_write_behind_waits_while_the_engine_keeps_the_cores_busy(daemon_factory):
+def test_write_behind_waits_while_the_engine_keeps_the_cores_busy_and_a_durable_put_does_not(daemon_factory):
     cores = os.cpu_count() or 1
     d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"],
                        env={"TIERKV_DISK_ADMISSION": "all", "TIERKV_HOST_WRITE_BEHIND_IDLE_CORES": str(cores - 0.5)})
@@ -181,6 +181,12 @@ def test_write_behind_waits_while_the_engine_keeps_the_cores_busy(daemon_factory
             st = c.stats()["tiers"]
             assert st["disk"]["write_behind_waits"] >= 2 and st["disk"]["written_behind"] == 0
             assert st["disk"]["blocks"] == 0 and st["host"]["blocks"] == 800
+            # a durable put does not wait for idle cores: its own write goes ahead of the deferred ones
+            more, more_blocks = keys_for(c, 40, seed=14), rand_blocks(40, seed=14)
+            t0 = time.monotonic()
+            c.put(more, more_blocks, durable=True, timeout=30)
+            assert time.monotonic() - t0 < 30 and c.lookup_tiers(more)[:1] == ["host"]
+            assert c.stats()["tiers"]["disk"]["blocks"] >= 40 and c.stats()["tiers"]["disk"]["written_behind"] == 0
     with d.client() as c:  # the cores idle again: write-behind goes on
         deadline = time.time() + 30
         while time.time() < deadline and c.stats()["tiers"]["disk"]["blocks"] < 700:

@@ -415,3 +415,31 @@ def test_adapters_images_and_prompt_embeddings_key_requests_apart(daemon, tmp_pa
     n, plan = prefill(planner, req, [1, 2, 3, 4])
     assert n == 0 and not plan.loads and not plan.stores and planner.queued(req) == 0
     assert planner.unidentified == 1
+
+
+def test_the_store_gate_skips_a_stream_without_reuse_and_stores_again_once_it_repeats(daemon):
+    """The scheduler side asks the daemon's store gate once per step: one-off prompts stop being stored
+    within a bounded number of requests (nothing is copied or committed for them); a prompt that comes
+    back is stored again, and then served."""
+    ns = Namespace("vllm-gate", LAYOUT)
+    planner = Planner([PlanGroup(Link(daemon.socket, model="vllm-gate", layout=LAYOUT), ns)], BT, gate=True)
+    src = pages(seed=11)
+    worker = Transfers(Link(daemon.socket, model="vllm-gate", layout=LAYOUT), src)
+    stored = []
+    for i in range(30):
+        _n, plan = prefill(planner, Req(f"once-{i}", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 3 * BT + 1))),
+                           [1, 2, 3, 4])
+        stored.append(sum(len(io.keys) for io in plan.stores))
+        worker.store(plan.stores)
+    assert stored[0] == 3 and stored[-10:] == [0] * 10
+    assert planner.offers is not None and planner.offers.offered == 90 and planner.offers.gated == 90 - sum(stored)
+    gate = daemon.stats()["store_gate"]
+    assert gate["skipped"] == planner.offers.gated and gate["returns"] == 0
+    again = list(range(900_000, 900_000 + 3 * BT + 1))
+    assert [prefill(planner, Req(f"again-{i}", again), [1, 2, 3, 4])[0] for i in range(2)] == [0, 0]
+    n, plan = prefill(planner, Req("again-2", again), [1, 2, 3, 4])
+    # its second offer was a return: from then on it is stored
+    assert n == 0 and sum(len(io.keys) for io in plan.stores) == 3
+    worker.store(plan.stores)
+    assert planner.matched_tokens(Req("again-3", again), 0) == (3 * BT, False)
+    assert daemon.stats()["store_gate"]["returns"] >= 2

@@ -16,6 +16,7 @@ import torch
 
 from tests.helpers import FAST_ENV, SMALL
 from tierkv.client.slots import Slots
+from tierkv.core.keys import Namespace
 from tierkv.integrations.vllm.missing import missing
 from tierkv.integrations.vllm.plan import BlockIO
 from tierkv.ops.replay_cli import daemon_config, tiers_for
@@ -45,8 +46,15 @@ def chat_lines(seed: int) -> list[str]:
     return out
 
 
+FP = Namespace("test-model", SMALL).fingerprint  # the daemon's namespace of the clients here
+
+
 def workload(lines: list[str]) -> Workload:
-    return Workload(parse_trace(lines), BT, BT)
+    """The trace's pages named as the daemon names the blocks ``drive`` stores (fingerprint + key):
+    policies that sample chains by a hash of their keys sample the same ones in both."""
+    w = Workload(parse_trace(lines), BT, BT)
+    w.pages = [[FP + b"p%d" % p for p in pages] for pages in w.pages]  # type: ignore[misc]
+    return w
 
 
 @dataclass
@@ -65,13 +73,14 @@ def drive(d, w: Workload, store: str = "model", timeout: float | None = 0) -> Dr
     ``put``: every block past the hit is put (cached ones are deduplicated, untouched); ``engine``: as
     the vLLM connector's store pass within the step: the blocks past the hit that the lookup index
     holds are skipped, ``alloc`` for the others keeping the skipped ones, then ``commit`` of the others
-    with the skipped ones as uses."""
+    with the skipped ones as uses; ``gated``: as ``engine``, after offering the blocks past the hit to
+    the daemon's store gate, which says how many leading ones to store (the rest are not touched)."""
     c = d.client()
     zeros = torch.zeros(SMALL.batch_shape(max(len(p) for p in w.pages)), dtype=SMALL.torch_dtype)
     hits, times = [], []
     t0 = time.monotonic()
     for pages, req in zip(w.pages, w.requests):
-        keys = [b"p%d" % p for p in pages]
+        keys = [p[len(FP):] for p in pages]
         times.append(time.monotonic() - t0)
         leases = [c.acquire(keys[:c.lookup(keys)])]
         hit = leases[0].count  # what an engine can use: the prefix that arrived in host memory
@@ -81,8 +90,10 @@ def drive(d, w: Workload, store: str = "model", timeout: float | None = 0) -> Dr
             for k in keys[hit:]:
                 leases.append(c.acquire([k]))
             rest = [k for k, lease in zip(keys[hit:], leases[1:]) if not lease.count]
+        if rest and store == "gated":
+            rest = rest[:c.offer([(None, rest, hit, False)])[0]]
         parent = keys[keys.index(rest[0]) - 1] if rest and rest[0] != keys[0] else None
-        if rest and store == "engine":
+        if rest and store in ("engine", "gated"):
             todo = missing([BlockIO("r", rest, list(range(len(rest))), parent=parent)], c.cached)
             with c.alloc(len(todo.keys), timeout=timeout, keep=todo.uses) if todo.keys else Slots(c, []) as slots:
                 slots.commit(todo.keys, chains=todo.chains, uses=todo.uses)
@@ -96,10 +107,10 @@ def drive(d, w: Workload, store: str = "model", timeout: float | None = 0) -> Dr
     return Drive(hits, times, evictions)
 
 
-def simulate(w: Workload, policy: str, cap: int, page_costs: bool = True) -> list[int]:
+def simulate(w: Workload, policy: str, cap: int, page_costs: bool = True, store_gate: str = "all") -> list[int]:
     """Per request, the leading blocks the simulator hits over one host tier of ``cap`` bytes."""
     cfg = ReplayConfig(tiers=[TierSpec("host", cap)], page_tokens=BT, trace_block_tokens=BT,
-                       kv_bytes_per_token=SMALL.block_bytes // BT, page_costs=page_costs)
+                       kv_bytes_per_token=SMALL.block_bytes // BT, page_costs=page_costs, store_gate=store_gate)
     sim = Simulator(w, policy, tiers_for(policy, cfg, daemon_config(None), "all"))
     hits: list[int] = []
     serve = sim._serve
@@ -156,6 +167,39 @@ def test_engine_store_path_hits_what_replay_predicts(daemon_factory):
     d = start(daemon_factory, 128, "lru")
     got = drive(d, w, store="engine").hits
     assert got == simulate(w, "lru", host_capacity(d))
+
+
+def test_the_store_gate_decides_as_replay_does(daemon_factory):
+    """Chat turns among long one-off requests that nothing reuses, stored as the vLLM connector stores
+    them once the store gate is asked: the daemon's gate and replay's skip the same blocks (the one-offs'
+    positions past any chat's, 32 blocks in, stop being stored), and the host tier hits the same blocks
+    on every request."""
+    lines, rows = [], [json.loads(s) for s in chat_lines(4)]
+    for i, row in enumerate(rows):
+        lines.append(json.dumps(row))
+        if i % 2 == 0:  # a one-off request of 48 blocks beside every other turn
+            lines.append(json.dumps({**row, "input_length": 48 * BT, "output_length": 1,
+                                     "hash_ids": [10**6 + 100 * i + j for j in range(48)]}))
+    w = workload(lines)
+    d = start(daemon_factory, 128, "lru")
+    got = drive(d, w, store="gated").hits
+    gate = d.stats()["store_gate"]
+    sim = Simulator(w, "lru", ReplayConfig(tiers=[TierSpec("host", host_capacity(d))], page_tokens=BT,
+                                           trace_block_tokens=BT, kv_bytes_per_token=SMALL.block_bytes // BT,
+                                           store_gate="predicted"))
+    hits: list[int] = []
+    serve = sim._serve
+
+    def counted(pages, toks, hit_tokens):
+        loads = serve(pages, toks, hit_tokens)
+        hits.append(sim._hit_tok // BT)
+        return loads
+
+    sim._serve = counted
+    res = sim.run()
+    assert gate["skipped"] > 0.1 * gate["offered"]  # the one-offs' deep blocks stopped being stored
+    assert (gate["offered"], gate["skipped"]) == (res.store_offered, res.store_skipped)
+    assert got == hits
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

@@ -59,6 +59,7 @@ class Op(enum.IntEnum):
     RECOMPUTE = 23
     SYNC = 24
     REQUEST_FINISHED = 25
+    OFFER = 26
 
 
 _local = threading.local()

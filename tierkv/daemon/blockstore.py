@@ -14,6 +14,7 @@ from tierkv.cache.counters import TierCounters
 from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
 from tierkv.cache.policy import make_policy as _lru
 from tierkv.cache.reuse import History
+from tierkv.cache.store_gate import StoreGate
 from tierkv.cache.table import BlockTable
 from tierkv.cache.wiring import host_reuse
 from tierkv.daemon import learned, scrub
@@ -109,14 +110,16 @@ class BlockStore:
         self.slots = Slots(ctx, hostp, self.gpup, kick)
         self.gpu_path = self.evictor.drains = None if self.gpu is None or self.gpup is None else GpuPath(
             ctx, table, host, self.gpu, self.gpup, hostp, self.slots, tr, engine, kick)
-        self.signals = Signals(ctx, table, hostp, diskp, *models, disk_on)
+        self.gate = StoreGate(ctx.cfg.store.gate, min_return=ctx.cfg.store.min_return)
+        self.signals = Signals(ctx, table, hostp, diskp, *models, disk_on, self.gate, self.cost)
         self.store_path = StorePath(ctx, table, host, hostp, self.slots, tr, self.signals, kick, disk_on,
                                     self.remote, self.gpu_path)
         self.fetch_path = FetchPath(ctx, table, host, hostp, self.slots, tr, self.signals, self.cost, self.remote,
                                     self.gpu_path)
         self.retention = Retention(ctx, table, host, hostp, diskp, self.gpup, self.disk, tr, self.fetch_path)
         self.sessions = Sessions(ctx, table, host, self.gpu)
-        self.tuner = Tuner(ctx, table, host, self.disk, hostp, diskp, self.history, *models, engine, kick, tr.trim_disk)
+        self.tuner = Tuner(ctx, table, host, self.disk, hostp, diskp, self.history, *models, engine, kick, tr.trim_disk,
+                           self.gate)
         self.events = open_events(ctx.cfg.events, table, ctx.lock, self.data_dir if disk_on else None)
         self.snapshots = Snapshots(ctx, table, self.tiers, hostp, diskp, self.gpup, *models, engine, self.cost, self.events,
                                    self.remote_counters)

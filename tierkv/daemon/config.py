@@ -17,11 +17,19 @@ from typing import Any, Literal, get_args, get_type_hints
 
 from tierkv.core.paths import default_runtime_dir, default_socket
 from tierkv.core.units import parse_size
-from tierkv.daemon.sections import BudgetConfig, DiskConfig, EventsConfig, GpuConfig, HostConfig, ServerConfig
+from tierkv.daemon.sections import (
+    BudgetConfig,
+    DiskConfig,
+    EventsConfig,
+    GpuConfig,
+    HostConfig,
+    ServerConfig,
+    StoreConfig,
+)
 from tierkv.tiers.remote import RemoteConfig  # the remote tier documents its own settings
 
 __all__ = ["BudgetConfig", "Config", "DiskConfig", "EventsConfig", "GpuConfig", "HostConfig", "RemoteConfig",
-           "ServerConfig", "default_runtime_dir", "default_socket", "load_config"]
+           "ServerConfig", "StoreConfig", "default_runtime_dir", "default_socket", "load_config"]
 
 
 @dataclass
@@ -35,11 +43,12 @@ class Config:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     policy: dict[str, Any] = field(default_factory=dict)
     """Policy weights (``[policy]`` table, ``policy.<name>`` keys), applied to every tier whose policy has them."""
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
-    SECTIONS = ("server", "host", "disk", "gpu", "budget", "remote", "events", "policy")
+    SECTIONS = ("server", "host", "disk", "gpu", "budget", "remote", "events", "store", "policy")
 
     @property
     def socket_path(self) -> str:
@@ -48,7 +57,7 @@ class Config:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad setting."""
-        for section in (self.server, self.host, self.disk, self.gpu):
+        for section in (self.server, self.host, self.disk, self.gpu, self.store):
             section.validate()
         _check_policies(self)
         self.events.validate()

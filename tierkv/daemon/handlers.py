@@ -189,6 +189,26 @@ class Handlers:
             raise BadRequest(f"output_tokens must be an int >= 0 or absent, got {out!r}")
         return {"cached": self.store.signals.request_finished(s, keys, out)}
 
+    def offer(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Requests' new blocks offered for storing: how many leading keys of each to store."""
+        offers = body.get("offers")
+        if not isinstance(offers, list) or len(offers) > 4096:
+            raise BadRequest("offers must be a list of at most 4096 [root, keys, first, cut] entries")
+        checked = []
+        for o in offers:
+            if not isinstance(o, list) or len(o) != 4:
+                raise BadRequest("each offer must be [root, keys, first, cut]")
+            root, keys, first, cut = o
+            if root is not None and (type(root) is not bytes or not 1 <= len(root) <= 64):
+                raise BadRequest("an offer's root must be nil or 1..64 bytes")
+            if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < 1 << 31:
+                raise BadRequest(f"an offer's first must be an int >= 0, got {first!r}")
+            if not isinstance(cut, bool):
+                raise BadRequest("an offer's cut must be true or false")
+            checked.append((root, validate_keys(keys), first, cut))
+        namespace(s)  # a BadRequest before HELLO
+        return {"store": self.store.signals.offered(s, checked)}
+
     def touch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Attention mass per block for the policies."""
         keys = validate_keys(body.get("keys"))

@@ -152,6 +152,12 @@ def _daemon_metrics(st: dict) -> Iterator[Metric]:
     yield _gauge("tierkv_uptime_seconds", "Seconds since the daemon started.", st["uptime_s"])
     yield _gauge("tierkv_degraded", "1 while the daemon reports degraded health.",
                  1.0 if st["health"] != "ok" else 0.0)
+    gate = st.get("store_gate") or {}
+    for key, doc in (("offered", "Blocks engines offered for storing (new blocks of their requests)."),
+                     ("stored", "Offered blocks the store gate said to store."),
+                     ("skipped", "Offered blocks not stored: unlikely to be read back before they would leave."),
+                     ("returns", "Offered blocks seen again (read back, or offered again).")):
+        yield CounterMetricFamily(f"tierkv_store_gate_{key}_blocks", doc, value=gate.get(key, 0))
     li = st.get("lookup_index")
     if li:
         yield _gauge("tierkv_lookup_index_slots", "Slots of the shared lookup index.", li["slots"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["BudgetConfig", "DiskConfig", "EventsConfig", "GpuConfig", "HostConfig", "ServerConfig",
+__all__ = ["BudgetConfig", "DiskConfig", "EventsConfig", "GpuConfig", "HostConfig", "ServerConfig", "StoreConfig",
            "check_watermarks"]
 
 
@@ -273,6 +273,32 @@ class EventsConfig:
             raise ValueError("events.replay_endpoint needs events.endpoint")
         if not 1 <= self.buffer_steps <= 1 << 20 or not 1 <= self.interval_ms <= 10_000:
             raise ValueError("events.buffer_steps must be within 1..2^20 and events.interval_ms within 1..10000")
+
+
+@dataclass
+class StoreConfig:
+    """Which of a request's new blocks an engine stores (the store gate, :mod:`tierkv.cache.store_gate`)."""
+
+    gate: Literal["predicted", "all"] = "predicted"
+    """``predicted``: the engine's connector stores a request's new blocks while the learned chance that
+    blocks at their position in the chain come back, times the seconds recomputing one costs, beats the
+    seconds storing it costs (a workload without reuse stores almost nothing); ``all``: every block."""
+    cost_bytes_per_s: int = 16 << 30
+    """What storing a block costs the engine, as bytes per second: a block of ``B`` bytes costs
+    ``B / cost_bytes_per_s`` seconds (the default is a copy out of GPU memory; on a CPU engine, whose
+    cores also run the daemon's commits, encodes and disk writes, about 1 GiB/s)."""
+    min_return: float = 0.05
+    """Blocks at a position that comes back less often than this are not stored, whatever the costs say."""
+
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting of this section."""
+        if self.gate not in ("predicted", "all"):
+            raise ValueError(f"store.gate must be predicted or all, got {self.gate!r}")
+        if self.cost_bytes_per_s <= 0:
+            raise ValueError("store.cost_bytes_per_s must be > 0")
+        if not 0 <= self.min_return <= 1:
+            raise ValueError(f"store.min_return must be within 0..1, got {self.min_return!r}")
 
 
 def check_watermarks(name: str, low: float, high: float) -> None:

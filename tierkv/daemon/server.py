@@ -279,6 +279,8 @@ class Server:
         """The snapshot behind ``tierkv stats``: the server's figures and the store's."""
         assert self.store is not None
         st = self.store.snapshots.store()
+        with self.store.ctx.lock:
+            gate = self.store.gate.snapshot()
         return {
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 3),
@@ -292,6 +294,7 @@ class Server:
             "sessions": self._session_stats(),
             "transfer": st["transfer"],
             "events": st["events"],
+            "store_gate": gate,
         }
 
     def _session_stats(self) -> list[dict]:

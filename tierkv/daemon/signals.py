@@ -1,6 +1,7 @@
 """What the engine's requests tell the policies: the chains a request uses, the blocks a commit
-stores, a finished request's tail, attention mass per block. The reuse models (host reuse, disk
-admission) and the disk order's shadow learn from them; the models are kept across restarts."""
+stores, a finished request's tail, attention mass per block, the new blocks an engine offers to store.
+The reuse models (host reuse, disk admission), the disk order's shadow and the store gate learn from
+them; the reuse models are kept across restarts."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import time
 
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session
+from tierkv.cache.costmodel import CostModel
 from tierkv.cache.placement import DiskPlacement, HostPlacement
 from tierkv.cache.reuse import ReuseModel
+from tierkv.cache.store_gate import BlockCosts, StoreGate
 from tierkv.cache.table import BlockTable
 from tierkv.daemon.context import Context
 
@@ -18,7 +21,8 @@ class Signals:
     """Feeds the reuse models and the policies from requests, commits and the engine's signals."""
 
     def __init__(self, ctx: Context, table: BlockTable, hostp: HostPlacement, diskp: DiskPlacement,
-                 host_reuse: ReuseModel, admission: Admission, disk_on: bool) -> None:
+                 host_reuse: ReuseModel, admission: Admission, disk_on: bool, gate: StoreGate,
+                 cost: CostModel) -> None:
         self.ctx = ctx
         self.table = table
         self.hostp = hostp
@@ -26,12 +30,16 @@ class Signals:
         self.host_reuse = host_reuse
         self.admission = admission
         self.disk_on = disk_on
+        self.gate = gate
+        self.cost = cost
 
     def requested(self, s: Session, keys: list[bytes]) -> None:
         """A request uses its prefix chain ``keys`` (fetch, acquire, prefetch; a lookup is only a
         query, and clients mostly answer it from the shared index): the reuse models learn from it."""
         fks, now = [s.fp + k for k in keys], time.monotonic()
         with self.ctx.lock:
+            for fk in fks:
+                self.gate.read(fk)
             self.host_reuse.requested(fks, now)
             if self.ctx.cfg.disk.admission == "predicted":
                 self.admission.requested(fks, now)
@@ -64,6 +72,21 @@ class Signals:
             self.host_reuse.stored(fks[lo:hi], now)
             if self.ctx.cfg.disk.admission == "predicted":
                 self.admission.stored(fks[lo:hi], now)
+
+    def offered(self, s: Session, offers: list[tuple[bytes | None, list[bytes], int, bool]]) -> list[int]:
+        """Requests' new blocks offered for storing (``(root, keys, first, cut)`` each): the store gate
+        learns from them and says how many leading keys of each are worth storing."""
+        assert s.ns is not None  # the handler checked the connection's namespace
+        lo = s.ns.layout
+        cost = self.cost
+
+        def recompute_s(position: int) -> float:
+            return cost.recompute_seconds(lo.block_tokens, position * lo.block_tokens)
+
+        costs = BlockCosts(recompute_s, lo.block_bytes / self.ctx.cfg.store.cost_bytes_per_s)
+        with self.ctx.lock:
+            return [self.gate.offer((s.fp, root), [s.fp + k for k in keys], first, costs, cut)
+                    for root, keys, first, cut in offers]
 
     def request_finished(self, s: Session, keys: list[bytes], output_tokens: int | None = None) -> int:
         """The engine finished a request whose prompt and output chain is ``keys`` (``output_tokens``

@@ -10,6 +10,7 @@ from tierkv.cache.admission import Admission
 from tierkv.cache.placement import DiskPlacement, HostPlacement
 from tierkv.cache.policy import Policy
 from tierkv.cache.reuse import History, ReuseModel
+from tierkv.cache.store_gate import StoreGate
 from tierkv.cache.table import BlockTable
 from tierkv.daemon.config import Config
 from tierkv.daemon.context import Context
@@ -25,7 +26,7 @@ class Tuner:
     def __init__(self, ctx: Context, table: BlockTable, host: HostPool, disk: DiskTier | None,
                  hostp: HostPlacement, diskp: DiskPlacement, history: History, host_reuse: ReuseModel,
                  admission: Admission, engine: TransferEngine, kick: Callable[[bool], None],
-                 trim_disk: Callable[[], object]) -> None:
+                 trim_disk: Callable[[], object], gate: StoreGate) -> None:
         """``kick(force)`` asks the evictor to run soon (a smaller host tier demotes at once);
         ``trim_disk()`` starts the deletes that bring the disk tier under its high watermark."""
         self.ctx = ctx
@@ -40,6 +41,7 @@ class Tuner:
         self.engine = engine
         self.kick = kick
         self.trim_disk = trim_disk
+        self.gate = gate
 
     def set_config(self, cfg: Config) -> None:
         """New settings for every decision that reads them. Lock held."""
@@ -66,6 +68,7 @@ class Tuner:
                 self._swap_disk_policy(disk_policy)
             self.set_config(new)
             self.admission.update(mode=new.disk.admission, shadow_rate=new.disk.shadow_rate)
+            self.gate.update(mode=new.store.gate, min_return=new.store.min_return)
             self.hostp.limit = min(self.host.capacity, new.host.capacity)
             if disk is not None:
                 disk.capacity = new.disk.capacity

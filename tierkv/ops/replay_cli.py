@@ -84,6 +84,7 @@ def tiers_for(name: str, config: ReplayConfig, daemon: Config, admission: str) -
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
     if name == "default":
         fields["admission_settings"] = admission_settings
+
     return ReplayConfig(**{**fields, "tiers": tiers, "policy_settings": settings})
 
 
@@ -115,6 +116,9 @@ def _table(results: list[ReplayResult], tiers: list[str]) -> str:
         for r in rows:
             if r.policy == "default":
                 lines.append(f"  default: {r.placement}, admission {r.admission} (the daemon's configuration)")
+            if r.store_offered:
+                lines.append(f"  {r.policy}: the store gate stored {r.store_offered - r.store_skipped:,} of "
+                             f"{r.store_offered:,} missed pages ({r.store_skipped:,} skipped as unlikely to pay)")
     return "\n".join(lines)
 
 
@@ -219,6 +223,9 @@ def _print_profile(p: dict[str, Any]) -> None:
               help="Context at which a token's prefill cost doubles (0 = flat).")
 @click.option("--set", "sets", multiple=True, metavar="POLICY.KEY=VALUE",
               help="A policy setting, e.g. attention.half_life_s=600 (repeatable).")
+@click.option("--store-gate", type=click.Choice(["all", "predicted"]), default="all", show_default=True,
+              help="Which missed pages are stored: all (as a plain client stores), or those the daemon's store "
+                   "gate keeps, as an engine's vLLM connector asks it (store.* settings of the config).")
 @click.option("--limit", default=None, type=click.IntRange(1), help="Replay only the first N requests.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
@@ -228,7 +235,7 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
            trace_block_tokens: int, kv_bytes_per_token: int, host_bw: str, disk_bw: str, disk_write_bw: str,
            disk_latency_ms: float, disk_compression: float, admission: str, disk_admission: bool | None,
            disk_exclusive: bool, config_path: Path | None, prefill_rate: float,
-           attn_double_tokens: float, sets: tuple[str, ...], limit: int | None, as_json: bool,
+           attn_double_tokens: float, sets: tuple[str, ...], store_gate: str, limit: int | None, as_json: bool,
            plot_path: str | None, advise: bool) -> None:
     """Replay a Mooncake-format TRACE through the daemon's eviction policies.
 
@@ -251,7 +258,9 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         daemon = daemon_config(config_path)
         config = ReplayConfig(tiers=tiers, page_tokens=page_tokens, trace_block_tokens=trace_block_tokens,
                               kv_bytes_per_token=kv_bytes_per_token, prefill_tokens_per_s=prefill_rate,
-                              attn_double_tokens=attn_double_tokens, policy_settings=_policy_settings(sets))
+                              attn_double_tokens=attn_double_tokens, policy_settings=_policy_settings(sets),
+                              store_gate=store_gate, store_cost_bytes_per_s=float(daemon.store.cost_bytes_per_s),
+                              store_gate_settings={"min_return": daemon.store.min_return})
         requests = load_trace(trace)
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -32,6 +32,8 @@ class ReplayResult:
     cpu_s: float = 0.0
     placement: str = ""
     admission: str = ""
+    store_offered: int = 0  # missed pages offered to the store gate
+    store_skipped: int = 0  # of those, not stored (``predicted`` gate)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

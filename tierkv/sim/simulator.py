@@ -18,6 +18,11 @@ The model, per request in timestamp order:
    engine's ``request_finished`` signal with the trace's output length, fed to the same reuse models
    as in the daemon).
 
+With ``store_gate = "predicted"`` the pages after the hit are first offered to the daemon's store gate
+(:class:`~tierkv.cache.store_gate.StoreGate`), as an engine's connector offers them: only the leading
+run it keeps is stored (and used); the rest is recomputed and forgotten. Served pages teach it as the
+daemon's reads do.
+
 The policies and admission rules are wired as the daemon wires them (:mod:`tierkv.cache.wiring`), on
 the trace's clock.
 """
@@ -34,6 +39,7 @@ from tierkv.cache.admission import Admission
 from tierkv.cache.policy import Policy, policy_class
 from tierkv.cache.policy.attention import AttentionPolicy
 from tierkv.cache.reuse import History
+from tierkv.cache.store_gate import BlockCosts, StoreGate
 from tierkv.core.units import parse_capacity
 from tierkv.sim.result import ReplayResult, percentile
 from tierkv.sim.spec import ReplayConfig, TierSpec
@@ -93,6 +99,8 @@ class Simulator:
             self._signals.append(self.host_reuse)
         modes = [t.admission_mode for t in config.tiers[1:]]
         self.admission_name = ",".join(modes) if modes else "none"
+        self.gate = StoreGate(config.store_gate, **config.store_gate_settings)
+        self._costs = BlockCosts(self._page_recompute_s, page_bytes / config.store_cost_bytes_per_s)
         self.placement_name = ",".join(f"{t.name}={n}" for t, n in zip(config.tiers, names))
 
     def _make_rule(self, tier: int) -> Admission | None:
@@ -106,6 +114,12 @@ class Simulator:
                                      max_records=max(1 << 16, 4 * self.w.unique_pages), unit=self.history.branch)
         rule.resize(self.caps[tier])
         return rule
+
+    def _page_recompute_s(self, position: int) -> float:
+        """Seconds recomputing the page ``position`` pages into a prompt costs (the store gate's cost)."""
+        cfg = self.config
+        start = position * cfg.page_tokens
+        return prefill_seconds(start, start + cfg.page_tokens, cfg.prefill_tokens_per_s, cfg.attn_double_tokens)
 
     def _page_cost_fn(self, tier: int) -> Callable[[int, int], float]:
         """``cost_fn`` for tier ``tier``: seconds to need a page again once it left the tier."""
@@ -193,7 +207,7 @@ class Simulator:
             ttft_mean_s=sum(ttft) / max(len(ttft), 1), ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
             ttft_recompute_p50_s=percentile(ttft_ref, 0.5), ttft_recompute_p99_s=percentile(ttft_ref, 0.99),
             wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0, placement=self.placement_name,
-            admission=self.admission_name)
+            admission=self.admission_name, store_offered=self.gate.c.offered, store_skipped=self.gate.c.skipped)
 
     def _serve(self, pages: list[int], toks: list[int], hit_tokens: list[int]) -> list[int]:
         """One request: count its prefix hits, promote cached pages and insert the rest into tier 0.
@@ -209,6 +223,12 @@ class Simulator:
             load_b[t] += stack.page_bytes
             k += 1
         self._hit_tok = sum(toks[:k])
+        if self.gate.mode != "all":
+            for p in pages[:k]:
+                self.gate.read(p)
+            if k < n:  # the missed pages are offered to the store gate: the run it keeps is stored
+                n = k + self.gate.offer(None, pages[k:], k, self._costs)
+                pages, toks = pages[:n], toks[:n]
         for rule in self._signals:
             rule.requested(pages, now)
         for j in range(1, n):

@@ -75,6 +75,11 @@ class ReplayConfig:
             ``cost_fn``, as the daemon passes its store's cost model.
         policy_settings: per policy name, settings passed to :func:`make_policy`.
         admission_settings: settings of :class:`~tierkv.cache.admission.Admission`.
+        store_gate: which of a request's missed pages are stored, as the daemon's ``store.gate``:
+            ``all`` (every one, as a plain client stores) or ``predicted`` (the store gate an engine's
+            connector asks: :mod:`tierkv.cache.store_gate`).
+        store_cost_bytes_per_s: what storing a page costs (``store.cost_bytes_per_s``).
+        store_gate_settings: settings of :class:`~tierkv.cache.store_gate.StoreGate`.
     """
 
     tiers: list[TierSpec] = field(default_factory=lambda: [TierSpec("host", "5%")])
@@ -86,6 +91,9 @@ class ReplayConfig:
     page_costs: bool = True
     policy_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     admission_settings: dict[str, Any] = field(default_factory=dict)
+    store_gate: str = "all"
+    store_cost_bytes_per_s: float = float(1 << 30)
+    store_gate_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.tiers:

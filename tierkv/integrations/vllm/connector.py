@@ -145,7 +145,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._model = _model_id(vllm_config, extra)
         self._models = namespace_model(self._model, self._groups)
         self._identities = namespace_model(identity, self._groups) if identity else [""] * len(self._groups)
-        self._unidentified = 0  # the scheduler's count, as last reported
+        self._reported: dict[str, int] = {}  # the scheduler's counters, as last reported
         self._planner: Planner | None = None
         self._meter: PrefillMeter | None = None
         self._transfers: GroupTransfers | None = None
@@ -158,7 +158,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             adapters, bt = AdapterIdentities(), layout.block_tokens
             self._planner = Planner(groups, bt, stores=self._kv_role.stores,
                                     sync_load_blocks=_sync_load_blocks(extra, layout.block_bytes), meter=self._meter,
-                                    identify=lambda request: request_inputs(request, bt, adapters))
+                                    identify=lambda request: request_inputs(request, bt, adapters),
+                                    gate=self._kv_role.stores and not self._kv_role.commit_in_step)
             log.info("tierkv: serving %s (identity %s)", "; ".join(_describe(g, m) for g, m in
                                                                    zip(self._groups, self._models)), identity[:16])
 
@@ -238,13 +239,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> TierKVConnectorStats | None:
         """Counters since the last call (tokens served and stored, times, errors; the scheduler's:
-        requests neither stored nor loaded because an input could not be identified)."""
+        blocks offered to the store gate and skipped by it, and requests neither stored nor loaded
+        because an input could not be identified)."""
         if self._transfers is not None:
             return TierKVConnectorStats(data=self._transfers.take_counters().as_dict())
-        if self._planner is None or self._planner.unidentified == self._unidentified:
+        if self._planner is None:
             return None
-        new, self._unidentified = self._planner.unidentified - self._unidentified, self._planner.unidentified
-        return TierKVConnectorStats(data={"unidentified_requests": new})
+        p, o = self._planner, self._planner.offers
+        now = {"unidentified_requests": p.unidentified, "store_offered": o.offered if o else 0,
+               "store_gated": o.gated if o else 0}
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        return TierKVConnectorStats(data=delta) if any(delta.values()) else None
 
     def shutdown(self) -> None:
         """Close the connections to the daemon."""

@@ -32,6 +32,7 @@ from tierkv.integrations.vllm.groups import GroupSpec, find_hit
 from tierkv.integrations.vllm.inputs import Inputs, TokensOnly, salt_root
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.meter import PrefillMeter, wait_bound
+from tierkv.integrations.vllm.offers import StoreOffers
 from tierkv.integrations.vllm.ranks import ask_ranks, finished, merge_plans
 
 log = logging.getLogger("vllm.tierkv")
@@ -49,7 +50,8 @@ class BlockIO:
     continues in its request's chain (None: the chain's first block). ``tokens``: a store's token ids
     (int32 bytes, ``block_tokens`` per key), for the daemon's KV events. ``group``: the KV cache group.
     ``lead``: blocks of the load before ``keys[0]`` that the group never reads (outside its sliding
-    window: vLLM's null block stands there), served without being moved."""
+    window: vLLM's null block stands there), served without being moved. ``first``: a store's position
+    of ``keys[0]`` in its request's chain."""
 
     req_id: str
     keys: list[bytes]
@@ -59,6 +61,7 @@ class BlockIO:
     tokens: bytes | None = None
     group: int = 0
     lead: int = 0
+    first: int = 0
 
 
 @dataclass(slots=True)
@@ -82,6 +85,7 @@ class _Request:
     wait_s: float | None = None   # the pending load is asynchronous, bounded by this
     waited: bool = False          # an asynchronous load was sent: the request never waits twice
     inputs: Inputs | None = None  # None: an input cannot be identified; neither stored nor loaded
+    cut: bool = False             # the store gate stopped storing this request (its chain is broken there)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +127,15 @@ class Planner:
             daemon knows none (a daemon just restarted).
         identify: a request's inputs besides its token ids; raises ``ValueError`` when one cannot be
             identified (the request is then neither stored nor loaded). Default: token ids alone.
+        gate: ask the daemon's store gate, once per step, which of the step's new blocks are worth
+            storing (:mod:`tierkv.cache.store_gate`); a request stores a leading run of its blocks and
+            nothing after the first one the gate skips.
     """
 
     def __init__(self, groups: Sequence[PlanGroup], block_tokens: int, stores: bool = True,
                  null_block: int = 0, sync_load_blocks: int | None = None,
-                 meter: PrefillMeter | None = None, identify: Callable[[Any], Inputs] | None = None) -> None:
+                 meter: PrefillMeter | None = None, identify: Callable[[Any], Inputs] | None = None,
+                 gate: bool = False) -> None:
         if not groups:
             raise ValueError("a planner needs at least one KV cache group")
         self.groups = list(groups)
@@ -146,6 +154,7 @@ class Planner:
         self._identify = identify or (lambda request: TokensOnly())
         self.unidentified = 0  # requests neither stored nor loaded: an input could not be identified
         self._why_unidentified: set[str] = set()  # each reason is logged once
+        self.offers = StoreOffers(self.link, block_tokens) if gate else None
 
     @classmethod
     def single(cls, link: Link, namespace: Namespace, block_tokens: int, stores: bool = True) -> Planner:
@@ -324,7 +333,10 @@ class Planner:
                 for have, more in zip(st.block_ids, new_ids):
                     have.extend(more)
             self._plan_request(st, cached.num_computed_tokens[i] + counts.get(req_id, 0), plan)
+        if self.offers is not None and plan.stores:
+            plan.stores = self.offers.trim(plan.stores, self._reqs)
         return plan
+
 
     def _plan_request(self, st: _Request, tokens_after_step: int, plan: StepPlan) -> None:
         if st.load is not None:
@@ -345,7 +357,8 @@ class Planner:
             tokens = np.asarray(st.request.all_token_ids[lo * bt:full * bt], dtype="<i4").tobytes()
             for g, gkeys in enumerate(keys):
                 plan.stores.append(BlockIO(st.request.request_id, gkeys[lo:full], st.block_ids[g][lo:full],
-                                           parent=gkeys[lo - 1] if lo else st.roots[g], tokens=tokens, group=g))
+                                           parent=gkeys[lo - 1] if lo else st.roots[g], tokens=tokens, group=g,
+                                           first=lo))
             st.stored_blocks = full
 
     def _windowed_ids(self, st: _Request) -> list[list[int]]:

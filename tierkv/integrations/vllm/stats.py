@@ -21,6 +21,8 @@ _PROM = {
     "load_s": ("vllm:tierkv_load_seconds", "Seconds spent loading KV from tierkv inside steps."),
     "load_steps": ("vllm:tierkv_load_steps", "Steps that loaded KV from tierkv inside the step."),
     "store_s": ("vllm:tierkv_store_seconds", "Seconds spent storing KV into tierkv."),
+    "store_copy_s": ("vllm:tierkv_store_copy_seconds",
+                     "Of the store seconds, those spent copying vLLM's pages into tierkv's slots."),
     "load_errors": ("vllm:tierkv_load_errors", "Blocks that could not be loaded (vLLM recomputed them)."),
     "store_errors": ("vllm:tierkv_store_errors", "Blocks that could not be stored (daemon absent or failing)."),
     "store_skipped": ("vllm:tierkv_store_skipped", "Blocks not stored: the host tier had no room to spare at once."),
@@ -33,6 +35,8 @@ _PROM = {
     "load_bytes": ("vllm:tierkv_load_bytes", "Bytes copied from tierkv into vLLM's pages."),
     "window_saved_bytes": ("vllm:tierkv_window_saved_bytes",
                            "Bytes of served blocks outside a sliding window: never moved."),
+    "store_offered": ("vllm:tierkv_store_offered", "New blocks offered to tierkv's store gate."),
+    "store_gated": ("vllm:tierkv_store_gated", "New blocks not stored: unlikely to be read back (store gate)."),
     "unidentified_requests": ("vllm:tierkv_unidentified_requests",
                               "Requests neither stored nor loaded: an input (adapter, image) could not be identified."),
 }
@@ -71,7 +75,8 @@ class TierKVConnectorStats(KVConnectorStats):
                 "store_deduplicated": c.store_deduplicated,
                 "load_mib": round(c.load_bytes / (1 << 20), 1),
                 "window_saved_mib": round(c.window_saved_bytes / (1 << 20), 1),
-                "unidentified_requests": c.unidentified_requests}
+                "unidentified_requests": c.unidentified_requests, "store_offered": c.store_offered,
+                "store_gated": c.store_gated}
 
     def is_empty(self) -> bool:
         """Nothing happened in the interval."""

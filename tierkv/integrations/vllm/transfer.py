@@ -53,12 +53,15 @@ class Counters:
     load_steps: int = 0          # steps that loaded something inside the step
     load_max_s: float = 0.0      # the longest load of one step (kept as a maximum, not summed)
     store_s: float = 0.0         # inside steps
+    store_copy_s: float = 0.0    # of which copying vLLM's pages into slots
     load_errors: int = 0         # blocks vLLM recomputes
     store_errors: int = 0        # blocks not stored (daemon absent or failing)
     store_skipped: int = 0       # blocks not stored: the host tier had no room to spare at once
     store_steps: int = 0         # steps that stored something
     store_max_s: float = 0.0     # the longest store pass of one step (kept as a maximum, not summed)
     unidentified_requests: int = 0  # neither stored nor loaded: an input could not be identified (scheduler)
+    store_offered: int = 0       # new blocks offered to the daemon's store gate (scheduler)
+    store_gated: int = 0         # of those, not stored: unlikely to be read back (scheduler)
     async_loads: int = 0         # requests loaded beside the forward pass
     async_hit_tokens: int = 0    # of ``hit_tokens``, served by asynchronous loads
     async_wait_s: float = 0.0    # their summed time from submission to done
@@ -194,8 +197,10 @@ class Transfers:
                 raise ConnectionFailed("daemon not reachable")
             todo = missing(stores, client.cached)
             slots = self._slots(client, todo)
+            t1 = time.perf_counter()
             try:
                 self.pages.gather(todo.block_ids, slots.views)
+                self.counters.store_copy_s += time.perf_counter() - t1
             except BaseException:
                 slots.abort()
                 raise
