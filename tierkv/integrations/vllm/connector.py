@@ -194,6 +194,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 committer=StoreCommitter(Link(self._socket, **args), g.layout.block_tokens)
                 if behind else None, remote=self._kv_role.write_through))
         self._transfers = GroupTransfers(parts, self._whole_requests)
+        self._transfers.connect()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load this step's in-host blocks into vLLM's pages (all requests, all layers, one pass) and

@@ -133,6 +133,15 @@ class GroupTransfers:
             out.add(c.as_dict())
         return out
 
+    def connect(self) -> None:
+        """Connect every link now (each maps the daemon's pools once): no step pays for a connection
+        (an absent daemon is tried again at the first step, as always)."""
+        for part in self.parts:
+            links = [part.link] + ([part.asyncs.link] if part.asyncs is not None else []) + \
+                ([part.committer.link] if part.committer is not None else [])
+            for link in links:
+                link.get()
+
     def close(self) -> None:
         """Flush the committers and close every connection."""
         for part in self.parts:
