@@ -18,7 +18,7 @@ test: setup services
 setup: $(STAMP)
 
 # torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml native/*.c
+$(STAMP): pyproject.toml tierkv/_native/*.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0

@@ -7,18 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Daemon, has_cuda
+from tests.helpers import Daemon, has_cuda, start_type_check
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any(item.name == "test_the_package_type_checks" for item in items):
+        start_type_check()  # a minute of mypy runs beside the tests before it, at a lower priority
     if not has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-
-
-
 
 
 

@@ -21,7 +21,7 @@ fi
 python3 - <<'PY' >/dev/null 2>&1 || echo "ntcopy not built (optional)"
 from setuptools import Extension, setup
 setup(name="tierkv-native", script_args=["build_ext", "--inplace", "-q"],
-      ext_modules=[Extension("tierkv._native._ntcopy", ["native/ntcopy.c"], extra_compile_args=["-O3"])])
+      ext_modules=[Extension("tierkv._native._ntcopy", ["tierkv/_native/ntcopy.c"], extra_compile_args=["-O3"])])
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"

@@ -292,6 +292,24 @@ def emulator(tmp_path_factory):
     return run
 
 
+def test_the_cuda_kernel_compiles_for_every_supported_architecture(tmp_path):
+    """nvcc (CUDA 13) compiles the kernel for each GPU architecture tierkv supports, as NVRTC compiles it
+    at first use on the engine's GPU: a kernel that no longer compiles fails here, without a GPU."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine (CUDA toolkit not installed)")
+    src = tmp_path / "paged_kv.cu"
+    src.write_text(paged.kernel_source())
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in paged.CUDA_ARCHS]
+    r = subprocess.run([nvcc, "-std=c++17", "-c", str(src), "-o", str(tmp_path / "paged_kv.o"), "--threads", "0",
+                        *gencode], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    listed = subprocess.run(["cuobjdump", "--list-elf", str(tmp_path / "paged_kv.o")], capture_output=True,
+                            text=True) if shutil.which("cuobjdump") else None
+    if listed is not None and listed.returncode == 0:
+        assert all(f"sm_{a}" in listed.stdout for a in paged.CUDA_ARCHS), listed.stdout
+
+
 def test_kernel_source_found_in_the_checkout(monkeypatch):
     monkeypatch.delenv("TIERKV_NATIVE_DIR", raising=False)
     assert "tierkv_paged_copy" in paged.kernel_source()

@@ -44,11 +44,23 @@ def test_bad_config(tmp_path, text, match):
         load_config(f, env={})
 
 
-def test_default_config_file_loads():
+def test_default_config_file_is_the_built_in_defaults():
+    """configs/default.toml (the package's copy) sets every setting the dataclasses default to, to that
+    default: a default changed in one place and not the other fails here."""
+    import dataclasses
+    import tomllib
     from pathlib import Path
 
-    cfg = load_config(Path(__file__).parents[2] / "configs" / "default.toml", env={})
-    assert cfg.server.data_dir
+    from tierkv.daemon.config import Config
+
+    path = Path(__file__).parents[2] / "configs" / "default.toml"
+    cfg, built_in = load_config(path, env={}), Config()
+    assert cfg == built_in
+    toml = tomllib.loads(path.read_text())
+    for section in ("server", "host", "disk", "gpu", "budget", "events", "store"):
+        fields = {f.name for f in dataclasses.fields(getattr(built_in, section))}
+        written = set(toml.get(section, {}))
+        assert written <= fields, (section, written - fields)
 
 
 def _disk_docs() -> dict[str, tuple[str, str]]:

@@ -167,3 +167,23 @@ def test_lookup_over_http_answers_a_router(daemon_factory):
             status, body = get(query)
             assert status == 400 and needle in body["error"], (query, body)
         assert any(name.startswith("tierkv_") for name, _ in scrape(port))
+
+
+def test_memory_samples_count_the_daemons_own_structures(daemon_factory, tmp_path):
+    """``TIERKV_MEMDEBUG`` samples include the sizes of the daemon's records, policies and connections."""
+    import json
+
+    from tests.helpers import wait_for
+
+    path = tmp_path / "mem.jsonl"
+    d = daemon_factory(env={"TIERKV_MEMDEBUG": str(path), "TIERKV_MEMDEBUG_S": "0.1"})
+    with d.client() as c:
+        c.put(keys_for(c, 3, seed=5), rand_blocks(3, seed=5))
+
+        def sampled() -> dict:
+            rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            return next((r for r in reversed(rows) if r.get("blocks") == 3), {})
+
+        assert wait_for(lambda: bool(sampled()), timeout=10)
+        row = sampled()
+        assert row["host_policy"] == 3 and row["conns"] >= 1 and row["threads"] > 1 and row["history"] >= 0

@@ -274,6 +274,7 @@ def test_a_store_into_a_full_host_tier_never_waits_for_the_disk_writer(daemon_fa
         assert took < 2.0, took  # six bursts, each would wait for a 2 s write
         assert c.lookup(keys[176:]) == 16
         assert c.stats()["tiers"]["host"]["dropped_unwritten"] > 0
+    d.kill()  # a drain would flush the dirty blocks at 2 s a write
 
 
 def test_the_connectors_store_pass_never_waits_and_is_counted(daemon_factory):
@@ -290,6 +291,7 @@ def test_the_connectors_store_pass_never_waits_and_is_counted(daemon_factory):
     c = t.take_counters()
     assert c.store_steps == 12 and c.store_max_s > 0 and c.store_errors == 0
     assert c.stored_tokens + c.store_skipped * BT == 12 * 16 * BT
+    d.kill()  # a drain would flush the dirty blocks at 2 s a write
 
 
 def test_the_prefill_meter_reports_contiguous_prefill_steps_only():

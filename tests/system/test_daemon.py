@@ -483,3 +483,14 @@ def test_request_counters_stay_exact_under_many_connections(tmp_path):
         srv.request_stop()
         loop.join(5)
         srv.shutdown()
+
+
+def test_the_daemon_sets_its_allocator_tunables_itself(daemon_factory):
+    """Started without them (the tests set them up front), ``tierkv serve`` re-executes itself once with
+    glibc's allocator tunables in its environment."""
+    d = daemon_factory(env={"GLIBC_TUNABLES": ""})
+    assert d.proc is not None
+    environ = open(f"/proc/{d.proc.pid}/environ", "rb").read().split(b"\0")
+    assert any(e.startswith(b"GLIBC_TUNABLES=") and b"glibc.malloc.mmap_threshold" in e for e in environ)
+    with d.client() as c:
+        assert c.ping()["pong"]

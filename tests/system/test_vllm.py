@@ -164,20 +164,20 @@ def test_cache_salt_keeps_tenants_apart(stack):
     assert salt_root(ns.fingerprint, "tenant-a") != salt_root(ns.fingerprint, "tenant-b")
 
 
-def test_two_servers_share_one_daemon(stack):
-    msgs = chat("lighthouse")
-    on_a = stack.server.chat(msgs)
-    with stack.new_server("b") as b:
+def test_two_servers_share_one_daemon_and_the_blocks_outlive_the_first(stack):
+    """A second server beside the first answers a prompt only the first has seen from its blocks; once the
+    first is stopped (its connections gone), the second answers another of its prompts from tierkv too,
+    and serves the module from then on."""
+    msgs, later = chat("lighthouse"), chat("canal")
+    on_a, before = stack.server.chat(msgs), stack.server.chat(later)
+    b = stack.new_server("b").start()
+    try:
         on_b = b.chat(msgs)  # B has never seen this prompt: its prefix comes from A's blocks
-    assert on_b.cached_tokens > 0 and on_b.text == on_a.text
-
-
-def test_blocks_survive_a_vllm_restart(stack):
-    msgs = chat("canal")
-    before = stack.server.chat(msgs)
-    stack.server.stop()
-    stack.server = stack.new_server("a2").start()
-    after = stack.server.chat(msgs)
+        assert on_b.cached_tokens > 0 and on_b.text == on_a.text
+    finally:
+        stack.server.stop()
+        stack.server = b
+    after = stack.server.chat(later)
     assert after.cached_tokens > 0 and after.text == before.text
 
 

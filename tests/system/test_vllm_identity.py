@@ -85,7 +85,7 @@ class Fleet:
 
     def server(self, model_dir: Path, name: str, args: list[str] | None = None) -> VllmServer:
         return VllmServer(str(model_dir), self.daemon.socket, self.work / f"vllm-{name}.log", env=DEV,
-                          args=list(args or [])).start()
+                          args=list(args or []), one_process=True).start()
 
 
 @pytest.fixture(scope="module")

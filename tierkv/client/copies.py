@@ -20,7 +20,7 @@ import torch
 from tierkv.core.layout import Layout
 
 _stream_copy: Callable[[np.ndarray, np.ndarray], None]
-try:  # streaming-store copy (native/ntcopy.c)
+try:  # streaming-store copy (tierkv/_native/ntcopy.c)
     from tierkv._native._ntcopy import copy as _stream_copy
 except ImportError:  # pragma: no cover - the extension is optional
     def _stream_copy(dst: np.ndarray, src: np.ndarray) -> None:

@@ -18,7 +18,7 @@ from tierkv.codecs.zstdio import Policy
 from tierkv.core.layout import Layout
 
 _merge_planes: Callable[[np.ndarray, list[Any]], None] | None
-try:  # one-pass plane merge from native/ntcopy.c; numpy's shift-or below is the fallback
+try:  # one-pass plane merge from tierkv/_native/ntcopy.c; numpy's shift-or below is the fallback
     from tierkv._native._ntcopy import merge_planes as _merge_planes
 except ImportError:  # pragma: no cover
     _merge_planes = None
@@ -96,7 +96,7 @@ class LosslessCodec(Codec):
     def decode(self, sections: list[Any], layout: Layout, params: dict[str, Any], out: np.ndarray) -> None:
         channel_major = bool(params.get("channel_major", False))
         if _merge_planes is not None and not channel_major and out.flags.c_contiguous:
-            _merge_planes(out, sections)  # one native pass (native/ntcopy.c), GIL released
+            _merge_planes(out, sections)  # one native pass (tierkv/_native/ntcopy.c), GIL released
             return
         words = self._words(out, layout, channel_major)
         planes = [np.frombuffer(sec, dtype=np.uint8).reshape(words.shape) for sec in sections]

@@ -18,6 +18,7 @@ from tierkv.cache.store_gate import StoreGate
 from tierkv.cache.table import BlockTable
 from tierkv.cache.wiring import host_reuse
 from tierkv.daemon import learned, scrub
+from tierkv.daemon.busy_cores import BusyCores
 from tierkv.daemon.config import Config
 from tierkv.daemon.context import Context
 from tierkv.daemon.events import open_events
@@ -33,6 +34,7 @@ from tierkv.daemon.startup import make_admission, make_disk_policy, make_host_po
 from tierkv.daemon.storepath import StorePath
 from tierkv.daemon.tier_jobs import TierJobs
 from tierkv.daemon.tuning import Tuner
+from tierkv.movers.cpu_share import CpuShare
 from tierkv.movers.engine import TransferEngine
 from tierkv.tiers.disk import stored_size
 
@@ -70,7 +72,7 @@ class BlockStore:
                                               "gpu<->host": cfg.budget.gpu_host or None,
                                               "host<->remote": cfg.budget.host_remote or None},
                                      write_nice=cfg.disk.write_nice, write_idle=cfg.disk.write_idle,
-                                     background_idle=cfg.disk.write_behind_idle)
+                                     background_idle=cfg.disk.write_behind_idle, cpu_share=self._cpu_share(cfg))
         if self.remote is not None:
             self.engine.attach_remote(self.remote)
         self.hostp = HostPlacement(table, self.host, make_host_policy(cfg, self.history, self.host_reuse),
@@ -85,6 +87,13 @@ class BlockStore:
         if self.events is not None:
             self.events.start()
         self.evictor.start()
+
+    def _cpu_share(self, cfg: Config) -> CpuShare:
+        """The share of the cores demotions and write-behind take while the engine keeps them busy (as
+        ``host.write_behind_idle_cores`` tells busy from idle)."""
+        busy = BusyCores()
+        return CpuShare(cfg.disk.background_share,
+                        lambda: not busy.idle(self.ctx.cfg.host.write_behind_idle_cores or 0.5))
 
     def _attach_gpu(self) -> GpuPlacement | None:
         """The GPU tier's placement (device slots are few and clean once drained: plain recency)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,11 +48,16 @@ class BusyCores:
         self._read = read or functools.partial(_busy_seconds, psutil.Process())
         self._clock = clock
         self._readings: deque[tuple[float, float, float]] = deque()
+        self._lock = threading.Lock()  # the evictor and the movers' threads read it
         self.others()  # the first reading: the base of the next
 
     def others(self) -> float | None:
         """Cores other processes used on average over about the last ``window`` seconds (None: not
         known yet, or not on Linux)."""
+        with self._lock:
+            return self._others()
+
+    def _others(self) -> float | None:
         now = self._clock()
         got = self._read()
         if got is None:

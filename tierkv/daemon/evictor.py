@@ -85,7 +85,7 @@ class Evictor:
             force, self._force = self._force, False
             dirty = self.hostp.demotion(force)
             ctx.notify()
-            job = self.transfers.store(dirty, background=ctx.cfg.disk.demote_idle) if dirty else None
+            job = self.transfers.store(dirty, background=ctx.cfg.disk.demote_idle, bounded=True) if dirty else None
         if job is None:
             return
         job.wait()

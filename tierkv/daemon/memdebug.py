@@ -4,7 +4,7 @@ When ``TIERKV_MEMDEBUG`` names a file, ``tierkv serve`` starts a thread that app
 every ``TIERKV_MEMDEBUG_S`` seconds (default 10): the process's anonymous RSS split by mapping
 (``[heap]``, other anonymous mappings), glibc's allocator totals (``mallinfo2``: bytes in use, free but
 kept, mmapped), the number of malloc arenas, Python's allocated blocks and object counts, and the sizes
-of the daemon's own structures (blocks, policy heaps and dicts, history, connections, threads). With
+of the daemon's own structures (block records, policy entries, history, connections, threads, LMDB). With
 ``TIERKV_MEMDEBUG_TRACE=1`` it also runs tracemalloc and writes the top growth by line between samples
 (slow: for finding a Python-level leak, not for figures). It tells Python heap growth from
 allocator retention in the soak (docs/design.md).
@@ -20,6 +20,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tierkv.daemon.malloc import TRIM_STATS
@@ -78,26 +79,9 @@ def anon_maps() -> dict[str, int]:
     return out
 
 
-def _table_sizes(server: Any) -> dict[str, int]:
-    t = getattr(server, "table", None)
-    if t is None:
-        return {}
-    out = {"blocks": len(t.blocks), "history": len(t.history), "conns": len(server._conns),
-           "threads": threading.active_count()}
-    if t.disk is not None:
-        info = t.disk.env.info()
-        out["lmdb_last_pgno"] = info["last_pgno"]
-        out["lmdb_file_mb"] = t.disk.file_bytes() >> 20
-    for tier in ("host", "disk"):
-        p = getattr(t, f"{tier}_policy")
-        for attr in ("_heap", "_size", "_prio", "_ver", "_pending", "_parent", "_kids", "_mass", "_sharers"):
-            if hasattr(p, attr):
-                out[f"{tier}{attr}"] = len(getattr(p, attr))
-    return out
-
-
-def start(server: Any) -> None:
-    """Start the sampler if ``TIERKV_MEMDEBUG`` is set; otherwise do nothing."""
+def start(sizes: Callable[[], dict[str, int]]) -> None:
+    """Start the sampler if ``TIERKV_MEMDEBUG`` is set; otherwise do nothing. ``sizes()``: the daemon's
+    own structures (:meth:`tierkv.daemon.server.Server.memory_figures`)."""
     path = os.environ.get("TIERKV_MEMDEBUG")
     if not path:
         return
@@ -117,10 +101,7 @@ def start(server: Any) -> None:
                                    **malloc_arenas(), "py_blocks": sys.getallocatedblocks(),
                                    "gc_objects": len(gc.get_objects())}
             row.update({f"trim_{k}": v for k, v in TRIM_STATS.items()})
-            try:
-                row.update(_table_sizes(server))
-            except Exception as exc:  # the table may be changing under us: a sample is best-effort
-                row["sizes_error"] = repr(exc)
+            row.update(sizes())
             if trace:
                 import tracemalloc
 

@@ -149,6 +149,10 @@ class DiskConfig:
     """Encode write-behind (blocks written ahead of eviction, which nothing waits for) on threads in the
     idle scheduling class (Linux); such a batch gives way to any write queued behind it that is not
     encoded there (a demotion unless ``demote_idle``, a durable put, the shutdown flush)."""
+    background_share: float = 0.25
+    """Cores that demotions and write-behind (encodes and disk writes no request waits for) may use while
+    the engine keeps the cores busy (``host.write_behind_idle_cores`` says when); they catch up while it
+    leaves cores idle. 0: no bound. A durable put, a load and the shutdown flush are never held back."""
     demote_idle: bool = False
     """Encode demotions (host victims written on their way out, which only the evictor waits for) as
     write-behind is, in the idle class while ``write_behind_idle`` is on: a store that finds host memory
@@ -192,6 +196,8 @@ class DiskConfig:
             raise ValueError("disk.write_batch must be >= 1")
         if not 0 <= self.write_nice <= 19:
             raise ValueError("disk.write_nice must be within 0..19")
+        if not 0 <= self.background_share <= 4096:
+            raise ValueError(f"disk.background_share must be within 0..4096 cores, got {self.background_share!r}")
         if not 0 <= self.idle_aging <= 100:
             raise ValueError(f"disk.idle_aging must be between 0 and 100, got {self.idle_aging!r}")
         if not 0 <= self.shadow_rate <= 1:

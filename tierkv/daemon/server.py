@@ -297,6 +297,22 @@ class Server:
             "store_gate": gate,
         }
 
+    def memory_figures(self) -> dict[str, int]:
+        """Sizes of the daemon's own structures, for ``TIERKV_MEMDEBUG`` samples: block records, policy
+        entries per tier, use history, connections, threads, the LMDB file (empty before start-up)."""
+        store = self.store
+        if store is None:
+            return {}
+        with store.ctx.lock:
+            out = {"blocks": len(store.table), "history": len(store.history), "host_policy": len(store.hostp.policy),
+                   "disk_policy": len(store.diskp.policy)}
+        with self._conn_lock:
+            out["conns"] = len(self._conns)
+        out["threads"] = threading.active_count()
+        if store.disk is not None:
+            out["lmdb_file_mb"] = store.disk.file_bytes() >> 20
+        return out
+
     def _session_stats(self) -> list[dict]:
         """Per connection: its client's pid, model and what it holds leased."""
         with self._conn_lock:

@@ -99,7 +99,7 @@ class Snapshots:
             tiers["host"]["shadow"] = shadow.snapshot()
         disk = self.tiers.disk
         if disk is not None:
-            dp, adm = self.diskp, self.admission
+            dp, adm, share = self.diskp, self.admission, self.engine.cpu_share
             tiers["disk"] = tier_snapshot(dp.stats, capacity=disk.capacity, used=dp.used,
                                           blocks=sum(1 for b in records if b.on_disk), codec=self.engine.writes.codec,
                                           file_bytes=disk.file_bytes(), readers=disk.readers(),
@@ -107,6 +107,8 @@ class Snapshots:
                                           admitted=adm.admitted, written_behind=hp.written_behind,
                                           write_behind_waits=hp.write_behind_waits,
                                           rejected=adm.rejected, placement=adm.snapshot(),
+                                          background_cpu_s=round(share.used_s, 3) if share else 0.0,
+                                          background_waited_s=round(share.waited_s, 3) if share else 0.0,
                                           idle_half_life_s=round(getattr(dp.policy, "tau", 0.0), 1))
             shadow = getattr(dp.policy, "shadow", None)
             if shadow is not None:

@@ -58,12 +58,13 @@ class TierJobs:
         return moves(blocks, self.host.view, self.table.layout_of)
 
     # ---- host -> disk -----------------------------------------------------------------------------
-    def store(self, blocks: list[Block], background: bool = False) -> Job:
+    def store(self, blocks: list[Block], background: bool = False, bounded: bool = False) -> Job:
         """Queue host -> disk writes of dirty blocks (their slots stay pinned until done), with the
         deletes that make room for them; without blocks, only the deletes (the disk shrinks to its
         watermark). A disk with nothing to drop fails the job at once (``TierFull``). ``background``:
         no request waits for it (write-behind, demotions); it gives way to a write queued behind it that
-        is not background, and the blocks it did not write stay dirty."""
+        is not background, and the blocks it did not write stay dirty. ``bounded`` (and ``background``):
+        within the CPU share of ``disk.background_share`` while the engine keeps the cores busy."""
         ctx, diskp = self.ctx, self.diskp
         try:
             deletes, reserved = diskp.room_for_write(blocks)
@@ -85,7 +86,8 @@ class TierJobs:
 
         # the evictor may be waiting on this write (demotion, write-behind)
         done = completion(ctx.changed, blocks, each, locked=settled, after=lambda _job: self.written())
-        return self.engine.submit(TO_DISK, self._moves(blocks), on_done=done, deletes=deletes, background=background)
+        return self.engine.submit(TO_DISK, self._moves(blocks), on_done=done, deletes=deletes, background=background,
+                                  bounded=bounded)
 
     def trim_disk(self) -> None:
         """Drop disk blocks down to the low watermark when above the high one (takes the lock)."""

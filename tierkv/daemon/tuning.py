@@ -72,6 +72,8 @@ class Tuner:
             self.hostp.limit = min(self.host.capacity, new.host.capacity)
             if disk is not None:
                 disk.capacity = new.disk.capacity
+            if engine.cpu_share is not None:
+                engine.cpu_share.share = new.disk.background_share
             engine.writes.codec = new.disk.codec
             engine.writes.level = new.disk.codec_level
             engine.budgets.set_rate("host<->disk", new.budget.host_disk or None)

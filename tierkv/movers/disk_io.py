@@ -9,10 +9,12 @@ pool, so a load never queues behind stores; a verify job decodes every stored va
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from tierkv.core.errors import TierFull, TierKVError
 from tierkv.core.keys import FINGERPRINT_BYTES
 from tierkv.core.layout import Layout
 from tierkv.movers.budget import LinkBudgets
+from tierkv.movers.cpu_share import CpuShare
 from tierkv.movers.jobs import Job, JobBook, Move
 from tierkv.movers.priority import lower_this_thread
 from tierkv.tiers.disk import DiskError, DiskTier
@@ -58,17 +61,19 @@ class DiskMover:
         write_nice: CPU nice steps of the writer thread (0: the daemon's own).
         write_idle: run the writer thread in the idle scheduling class instead.
         encode_background: worker pool for the encodes of background jobs (None: ``encode``).
+        cpu_share: bounds the encodes and writes of bounded jobs while the engine is busy (None: no bound).
     """
 
     def __init__(self, disk: DiskTier, book: JobBook, budgets: LinkBudgets, encode: ThreadPoolExecutor,
                  decode: ThreadPoolExecutor, writes: DiskWrites, write_nice: int = 0, write_idle: bool = False,
-                 encode_background: ThreadPoolExecutor | None = None) -> None:
+                 encode_background: ThreadPoolExecutor | None = None, cpu_share: CpuShare | None = None) -> None:
         self.disk = disk
         self.writes = writes
         self._book = book
         self._budgets = budgets
         self._encode = encode
         self._encode_bg = encode_background or encode
+        self._share = cpu_share
         self._decode = decode
         self._orphans: list[bytes] = []  # deletes the daemon chose whose transaction failed: retried
         self._stores: queue.Queue[Job | None] = queue.Queue()
@@ -141,7 +146,8 @@ class DiskMover:
         taken: list[Job] = []
         with self._stores.mutex:
             q = self._stores.queue
-            while q and q[0] is not None and q[0].moves and q[0].background == job.background:
+            while q and q[0] is not None and q[0].moves and q[0].background == job.background \
+                    and q[0].bounded == job.bounded:
                 more = sum(m.view.nbytes for m in q[0].moves)
                 if size + more > self.writes.batch_bytes or count + len(q[0].moves) > self.writes.batch:
                     break
@@ -176,12 +182,19 @@ class DiskMover:
     def _pool(self, job: Job) -> ThreadPoolExecutor:
         return self._encode_bg if job.background else self._encode
 
+    def _encoder(self, job: Job) -> Callable[[Move], bytes | None]:
+        """How ``job``'s moves encode: within the CPU share when it is bounded."""
+        share = self._share
+        if share is None or not job.bounded:
+            return self._encode_one
+        return lambda m: share.timed(lambda: self._encode_one(m), self._foreground_queued)  # type: ignore[return-value]
+
     def _encode_first(self, job: Job) -> None:
-        size, pool = 0, self._pool(job)
+        size, pool, encode = 0, self._pool(job), self._encoder(job)
         for m in job.moves:
             if size >= self.writes.batch_bytes:
                 break
-            job.encoded.append(pool.submit(self._encode_one, m))
+            job.encoded.append(pool.submit(encode, m))
             size += m.view.nbytes
 
     def _foreground_queued(self) -> bool:
@@ -217,7 +230,8 @@ class DiskMover:
         all_moves: list[Move] = []
         pool, background = self._pool(jobs[0]), jobs[0].background
         for job in jobs:
-            futures += job.encoded + [pool.submit(self._encode_one, m) for m in job.moves[len(job.encoded):]]
+            encode = self._encoder(job)
+            futures += job.encoded + [pool.submit(encode, m) for m in job.moves[len(job.encoded):]]
             job.encoded = []
             all_moves += job.moves
         i = 0
@@ -230,7 +244,12 @@ class DiskMover:
                 j += 1
             blobs, gave_way = self._results(futures[i:j], background)
             if blobs or deletes:
-                self._write_batch(all_moves[i:i + len(blobs)], blobs, deletes)
+                batch = all_moves[i:i + len(blobs)]
+                if self._share is not None and jobs[0].bounded:
+                    self._share.timed(functools.partial(self._write_batch, batch, blobs, deletes),
+                                      self._foreground_queued)
+                else:
+                    self._write_batch(batch, blobs, deletes)
             deletes = []  # written with the first transaction
             if gave_way:  # the moves not written keep ok False: their blocks stay dirty
                 # An encode already running may still read its slot after the job ends (the slot may

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tierkv.movers.budget import LinkBudgets
+from tierkv.movers.cpu_share import CpuShare
 from tierkv.movers.disk_io import LOAD_THREADS, DiskMover, DiskWrites
 from tierkv.movers.jobs import Job, JobBook, Move, Route
 from tierkv.movers.priority import lower_this_thread
@@ -50,12 +51,16 @@ class TransferEngine:
         write_idle: run those threads in the idle scheduling class instead (only on cores nothing else wants).
         background_idle: encode background stores (write-behind, demotions: no request waits for them) on
             threads in the idle scheduling class, whatever ``write_idle`` says.
+        cpu_share: the share of the cores bounded stores (demotions, write-behind) take while the engine
+            keeps the cores busy (None: no bound).
     """
 
     def __init__(self, disk: DiskTier | None, workers: int = 2, codec: str = "lossless", level: int = 1,
                  write_batch: int = 32, budgets: dict[str, float | None] | None = None,
-                 write_nice: int = 0, write_idle: bool = False, background_idle: bool = False) -> None:
+                 write_nice: int = 0, write_idle: bool = False, background_idle: bool = False,
+                 cpu_share: CpuShare | None = None) -> None:
         self.disk = disk
+        self.cpu_share = cpu_share
         self.budgets = LinkBudgets(budgets or {})
         self.book = JobBook(("host->disk", "disk->host"))  # jobs in flight, bytes and seconds per link
         self.writes = DiskWrites(codec, level, write_batch)
@@ -72,7 +77,7 @@ class TransferEngine:
         self._disk: DiskMover | None = None
         if disk is not None:
             self._disk = DiskMover(disk, self.book, self.budgets, self._encode, self._decode, self.writes, write_nice,
-                                    write_idle, encode_background=self._encode_bg)
+                                    write_idle, encode_background=self._encode_bg, cpu_share=cpu_share)
             self._routes.update({("host", "disk"): self._disk.store, ("disk", "host"): self._disk.load,
                                  VERIFY: self._disk.verify})
         # one writer keeps remote write-through in commit order and off the load path
@@ -96,7 +101,7 @@ class TransferEngine:
 
     # ---- jobs --------------------------------------------------------------------------------------
     def submit(self, route: Route, moves: Sequence[Any], on_done: Callable[[Job], None] | None = None, *,
-               deletes: Sequence[bytes] = (), background: bool = False) -> Job:
+               deletes: Sequence[bytes] = (), background: bool = False, bounded: bool = False) -> Job:
         """Start a job on ``route``; ``on_done(job)`` runs on a mover thread when it finished.
 
         The slots of ``moves`` must stay untouched until then. Each move's ``ok`` says whether it arrived.
@@ -112,6 +117,9 @@ class TransferEngine:
                 Its blocks encode on the background pool, and it gives way to a job queued behind it
                 that is not background: the moves not encoded by then are not written (``ok`` False,
                 no error).
+            bounded: ``host -> disk`` only: no request waits for the job (demotions, write-behind): its
+                encodes and writes take at most the engine's CPU share (``cpu_share``) while the engine
+                keeps the cores busy.
 
         Raises:
             ValueError: no mover serves ``route``, or ``deletes`` on another route.
@@ -122,7 +130,9 @@ class TransferEngine:
             raise ValueError(f"no mover serves the route {route[0]}->{route[1]} (served: {served or 'none'})")
         if deletes and route != ("host", "disk"):
             raise ValueError(f"only host->disk jobs delete; got deletes on {route[0]}->{route[1]}")
-        job = self.book.open(route, list(moves), on_done, background=background and route == ("host", "disk"))
+        to_disk = route == ("host", "disk")
+        job = self.book.open(route, list(moves), on_done, background=background and to_disk,
+                             bounded=(bounded or background) and to_disk)
         job.deletes = list(deletes)
         handler(job)
         return job

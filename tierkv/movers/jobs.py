@@ -63,6 +63,9 @@ class Job:
     encoded: list[Future] = field(default_factory=list)
     # host -> disk: nothing waits for it (write-behind); it gives way to a job queued behind it.
     background: bool = False
+    # host -> disk: no request waits for it (demotions, write-behind): within the CPU share while the
+    # engine keeps the cores busy (:mod:`tierkv.movers.cpu_share`).
+    bounded: bool = False
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job finishes; False on timeout."""
@@ -91,9 +94,9 @@ class JobBook:
         self.link_seconds.update(dict.fromkeys(links, 0.0))
 
     def open(self, route: Route, moves: list[Any], on_done: Callable[[Job], None] | None = None,
-             background: bool = False) -> Job:
+             background: bool = False, bounded: bool = False) -> Job:
         """A new job on ``route``, counted in flight until :meth:`finish`."""
-        job = Job(next(self._ids), route, moves, on_done=on_done, background=background)
+        job = Job(next(self._ids), route, moves, on_done=on_done, background=background, bounded=bounded)
         with self.lock:
             self.inflight += 1
         return job

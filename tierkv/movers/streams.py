@@ -140,7 +140,7 @@ class CudaQueue:
 
 
 _ntcopy: Callable[[Any, Any], None] | None
-try:  # streaming-store copy (native/ntcopy.c); the GIL is released during the copy
+try:  # streaming-store copy (tierkv/_native/ntcopy.c); the GIL is released during the copy
     from tierkv._native._ntcopy import copy as _ntcopy
 except ImportError:  # pragma: no cover - the extension is optional
     _ntcopy = None

@@ -103,7 +103,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
 
     server = Server(cfg)
     start_malloc_trim()  # see MALLOC_TRIM_S
-    memdebug.start(server)  # no-op unless TIERKV_MEMDEBUG names a file
+    memdebug.start(server.memory_figures)  # no-op unless TIERKV_MEMDEBUG names a file
     sys.exit(server.serve())
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def _policy_settings(sets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     return out
 
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.toml"  # package data
+DEFAULT_CONFIG = Path(str(resources.files("tierkv").joinpath("configs", "default.toml")))  # package data
 
 
 def daemon_config(path: Path | None) -> Config:

@@ -10,7 +10,7 @@ as a list of per-block tensors (slot views in a pool, not contiguous with each o
   pages (onboard).
 * On CPU both run as a few batched torch ops per layer and K/V (``index_select``,
   ``torch._foreach_copy_``) on integer views of the bytes, so every dtype is copied bit for bit.
-* On CUDA one kernel launch (``tierkv/native/paged_kv.cu``) moves all blocks, layers, K and V. It is compiled at
+* On CUDA one kernel launch (``tierkv/_native/paged_kv.cu``) moves all blocks, layers, K and V. It is compiled at
   run time with ``cupy.RawModule`` (NVRTC) when cupy is installed, else with
   ``torch.utils.cpp_extension.load_inline`` (needs nvcc); ``TIERKV_PAGED_BACKEND=cupy|torch`` forces one.
   It runs on ``stream`` (default: the current stream) and returns without waiting. tierkv blocks may live
@@ -36,6 +36,7 @@ from tierkv.client.paged.cpu import copy_all as _copy_all  # noqa: F401 - as _bi
 from tierkv.client.paged.cpu import cpu_gather, cpu_scatter
 from tierkv.client.paged.geometry import Geometry, as_layers, check_args, tok_head_dims
 from tierkv.client.paged.kernel import (
+    CUDA_ARCHS,
     KernelPlan,
     _arg_arrays,  # noqa: F401 - the kernel's host-build tests use it
     cuda_run,
@@ -46,10 +47,10 @@ from tierkv.core.layout import Layout, dtype_name
 
 EngineLayout = Literal["NHD", "HND"]
 
-__all__ = ["EngineLayout", "KernelPlan", "engine_layout", "gather", "kernel_backend", "kernel_plan", "kernel_source",
+__all__ = ["CUDA_ARCHS", "EngineLayout", "KernelPlan", "engine_layout", "gather", "kernel_backend", "kernel_plan", "kernel_source",
            "scatter"]
 
-# Rows per thread per loop trip; must match TKV_UNROLL in tierkv/native/paged_kv.cu.
+# Rows per thread per loop trip; must match TKV_UNROLL in tierkv/_native/paged_kv.cu.
 _UNROLL = 4
 _THREADS = 256
 _MAX_GRID_Y = 65535

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class KernelPlan:
-    """Launch arguments of one gather/scatter kernel (see ``tierkv/native/paged_kv.cu``).
+    """Launch arguments of one gather/scatter kernel (see ``tierkv/_native/paged_kv.cu``).
 
     Addresses are plain integers: device pointers, or host pointers of pinned memory (UVA).
     """
@@ -42,16 +43,19 @@ class KernelPlan:
                 self.head_words, self.s_blk, self.s_tok, self.s_head, self.num_engine_blocks, int(to_engine))
 
 
+# GPU architectures the kernel is built for (NVRTC compiles it for the one present at first use); `make
+# test` compiles it for each with nvcc: Turing, Ampere, Ada, Hopper, Blackwell.
+CUDA_ARCHS = ("75", "80", "86", "89", "90", "100", "120")
+
+
 def kernel_source() -> str:
-    """Text of ``tierkv/native/paged_kv.cu`` (``TIERKV_NATIVE_DIR`` overrides where it is looked up)."""
-    candidates = [Path(os.environ["TIERKV_NATIVE_DIR"])] if os.environ.get("TIERKV_NATIVE_DIR") else []
-    package = Path(__file__).resolve().parents[2]  # tierkv/
-    candidates += [package / "native"]  # package data: installed with the wheel
-    for d in candidates:
-        p = d / "paged_kv.cu"
+    """Text of ``tierkv/_native/paged_kv.cu``, package data (``TIERKV_NATIVE_DIR`` names another folder)."""
+    if os.environ.get("TIERKV_NATIVE_DIR"):
+        p = Path(os.environ["TIERKV_NATIVE_DIR"]) / "paged_kv.cu"
         if p.is_file():
             return p.read_text()
-    raise RuntimeError(f"paged_kv.cu not found (looked in {[str(c) for c in candidates]})")
+        raise RuntimeError(f"paged_kv.cu not found in TIERKV_NATIVE_DIR ({p.parent})")
+    return resources.files("tierkv._native").joinpath("paged_kv.cu").read_text()
 
 
 class _Launcher:
