@@ -172,7 +172,7 @@ def test_the_store_chooses_the_deletes_its_disk_writes_carry(tmp_path: Path) -> 
         assert deletes, "the disk filled up, yet no store job carried deletes"
         with st.ctx.lock:
             assert not any(st.table.get(fk) is not None and st.table.get(fk).on_disk for fk in deletes)
-            assert st.diskp.reserved == 0 and st.diskp.used <= cfg.disk.high_watermark * cfg.disk.capacity
+            assert st.diskm.reserved == 0 and st.diskm.used <= cfg.disk.high_watermark * cfg.disk.capacity
             on_disk = {b.fk for b in st.table.records() if b.on_disk}
         assert st.disk is not None and _stored(st.disk) == on_disk
         assert st.transfers.verify() == {"checked": len(on_disk), "bad": [], "dropped": 0}

@@ -4,23 +4,21 @@ queues; records settle in their completion callbacks. Called with the store's lo
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block, Session
-from tierkv.cache.placement import GpuPlacement, HostPlacement
-from tierkv.cache.table import BlockTable
+from tierkv.cache.managers import TierManagers
 from tierkv.core.errors import TierFull
 from tierkv.core.keys import Namespace
 from tierkv.daemon.context import Context
-from tierkv.daemon.settle import completion, settle
+from tierkv.daemon.settle import completion
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.tier_jobs import TierJobs, ready_after
-from tierkv.movers.engine import TransferEngine
 from tierkv.movers.jobs import Job
 from tierkv.movers.streams import Copy
-from tierkv.tiers.host import HostPool, slot_size_for
+from tierkv.tiers.host import slot_size_for
 
 if TYPE_CHECKING:
     from tierkv.tiers.gpu import DevicePool
@@ -29,20 +27,16 @@ if TYPE_CHECKING:
 class GpuPath:
     """GPU drains (device -> host) and promotions (host -> device)."""
 
-    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, gpu: DevicePool, gpup: GpuPlacement,
-                 hostp: HostPlacement, slots: Slots, transfers: TierJobs, engine: TransferEngine,
-                 kick: Callable[[bool], None]) -> None:
-        """``kick(force)`` asks the evictor to run soon (a drain found no host slot, a copy finished)."""
+    def __init__(self, ctx: Context, m: TierManagers, gpu: DevicePool, slots: Slots, transfers: TierJobs) -> None:
+        """The managers it sequences, the device pool it copies from and into, the slots it takes and
+        the tier jobs it chains (loads from disk, writes to the remote tier, the transfer engine)."""
         self.ctx = ctx
-        self.table = table
-        self.host = host
+        self.m = m
+        self.table = m.table
         self.gpu = gpu
-        self.gpup = gpup
-        self.hostp = hostp
         self.slots = slots
         self.transfers = transfers
-        self.engine = engine
-        self.kick = kick
+        self.engine = transfers.engine
         self.undrained: list[Block] = []  # GPU commits waiting for a host slot to drain into
 
     # ---- drains -----------------------------------------------------------------------------------
@@ -53,12 +47,13 @@ class GpuPath:
             if b.fk not in self.table or b.gpu_off is None or not b.draining or b.host_off is not None:
                 continue  # deleted meanwhile, or a lease is already copying it down
             try:
-                b.host_off = self.slots.host(slot_size_for(b.nbytes), wait=False)
+                off = self.slots.host(slot_size_for(b.nbytes), wait=False)
             except TierFull:
                 # host memory is full of blocks still being written back: retry when the evictor frees some
                 self.undrained.extend(x for x in blocks[i:] if x.draining)
-                self.kick(True)
+                self.ctx.kick(True)
                 break
+            self.m.gpu.prepare_drain(b, self.m.host, off, threading.Event())
             started.append(b)
         self.copy_to_host(started)
 
@@ -68,31 +63,36 @@ class GpuPath:
             pending, self.undrained = self.undrained, []
             self.drain(pending)
 
+    def copy_down(self, b: Block, off: int) -> None:
+        """Copy ``b``, held only on the GPU, into host slot ``off`` (a host lease waits for it)."""
+        self.m.gpu.prepare_drain(b, self.m.host, off, threading.Event())
+        self.copy_to_host([b])
+
     def copy_to_host(self, blocks: list[Block]) -> None:
-        """GPU slot -> the host slot already assigned to each block, on the store queue."""
+        """GPU slot -> the host slot each drain was prepared with (:meth:`GpuManager.prepare_drain`), on
+        the store queue."""
         if not blocks:
             return
         copies: list[Copy] = []
         for b in blocks:
             assert b.gpu_off is not None and b.host_off is not None  # a drain with its host slot assigned
-            b.loading = threading.Event()
-            b.load_failed = False
-            b.gpu_leases += 1  # the GPU slot is the copy's source
             copies.append(Copy(self.gpu.view(b.gpu_off, b.nbytes), self.engine.host_view(b.host_off, b.nbytes)))
+        self.engine.submit(("gpu", "host"), copies, completion(self.ctx.changed, blocks, self._drained,
+                                                               locked=functools.partial(self._write_through, blocks),
+                                                               after=self._kick))
 
-        def each(b: Block, c: Copy) -> None:
-            ev = settle(b)
-            b.gpu_leases -= 1
-            if self.gpup.drained(b, self.hostp, c.ok):
-                self.undrained.append(b)  # the GPU copy is the only one: try again later
-            if ev is not None:
-                ev.set()
+    def _drained(self, b: Block, c: Copy) -> None:
+        ev, retry = self.m.gpu.complete_drain(b, self.m.host, c.ok)
+        if retry:
+            self.undrained.append(b)  # the GPU copy is the only one: try again later
+        if ev is not None:
+            ev.set()
 
-        def locked(_job: Job) -> None:
-            self.transfers.write_through([b for b in blocks if b.host_off is not None])
+    def _write_through(self, blocks: list[Block], _job: Job) -> None:
+        self.transfers.write_through([b for b in blocks if b.host_off is not None])
 
-        self.engine.submit(("gpu", "host"), copies, completion(self.ctx.changed, blocks, each, locked=locked,
-                                                               after=lambda _job: self.kick(False)))
+    def _kick(self, _job: Job) -> None:
+        self.ctx.kick()
 
     # ---- promotions -------------------------------------------------------------------------------
     def promote(self, s: Session, ns: Namespace, keys: list[bytes], lease: bool) -> tuple[list[Block], list[str]]:
@@ -110,12 +110,12 @@ class GpuPath:
             for k in keys:
                 b = self.table.get(s.fp + k)
                 if b is None:
-                    self.gpup.missed()
+                    self.m.gpu.missed()
                     break
                 if b.gpu_off is not None:
-                    self.gpup.served(b)
+                    self.m.gpu.served(b)
                     if lease:
-                        b.gpu_leases += 1
+                        self.m.gpu.lease(b)
                         leased.append(b)
                         tiers.append("gpu")
                     continue
@@ -126,16 +126,16 @@ class GpuPath:
                     goff = self.slots.gpu(slot, wait=False)
                 except TierFull:
                     break  # no room on the GPU: the prefix so far is what the client gets
-                self.gpup.missed()
-                self.hostp.touch(b)
-                b.gpu_off, b.gpu_loading = goff, threading.Event()
-                b.leases += 1  # the host slot is the copy's source: keep it until the copy is done
+                self.m.gpu.missed()
+                self.m.host.touch(b)
+                self.m.gpu.prepare_load(b, goff, threading.Event())
+                self.m.host.lease(b)  # the host slot is the copy's source: keep it until the copy is done
                 moving.append(b)
                 assert b.host_off is not None  # _source gave it a host slot
                 copies.append(Copy(self.engine.host_view(b.host_off, b.nbytes), self.gpu.view(goff, b.nbytes),
                                    ready=None if b.loading is None else ready_after(b, b.loading)))
                 if lease:
-                    b.gpu_leases += 1
+                    self.m.gpu.lease(b)
                     leased.append(b)
                     tiers.append(source)
             if loads:
@@ -152,21 +152,19 @@ class GpuPath:
         if not b.on_disk:
             return None
         try:
-            b.host_off = self.slots.host(slot, wait=False)
+            off = self.slots.host(slot, wait=False)
         except TierFull:
             return None
-        b.loading, b.load_failed = threading.Event(), False
+        self.transfers.prepare_load(b, off)
         loads.append(b)
         return "disk"
 
     def _to_device(self, moving: list[Block], copies: list[Copy]) -> None:
+        self.engine.submit(("host", "gpu"), copies, completion(self.ctx.changed, moving, self._promoted))
 
-        def each(b: Block, c: Copy) -> None:
-            ev = settle(b, "gpu_loading")
-            b.leases -= 1
-            self.gpup.promoted(b, c.ok)  # a failed copy (its source never arrived) is a miss, never served
-            if ev is not None:
-                ev.set()
-
-        self.engine.submit(("host", "gpu"), copies, completion(self.ctx.changed, moving, each))
+    def _promoted(self, b: Block, c: Copy) -> None:
+        self.m.host.unlease(b)
+        ev = self.m.gpu.complete_load(b, c.ok)  # a failed copy (its source never arrived) is a miss, never served
+        if ev is not None:
+            ev.set()
 

@@ -5,31 +5,27 @@ deletes (blocks dropped from every tier)."""
 from __future__ import annotations
 
 from tierkv.cache.block import Block, Session
-from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
-from tierkv.cache.table import BlockTable
+from tierkv.cache.managers import TierManagers
 from tierkv.cache.windows import window_out
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.daemon.context import Context
 from tierkv.daemon.fetchpath import FetchPath
 from tierkv.daemon.sessions import namespace
 from tierkv.daemon.tier_jobs import TierJobs
-from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.host import HostPool
 
 
 class Retention:
     """Pins, windows and deletes."""
 
-    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, hostp: HostPlacement,
-                 diskp: DiskPlacement, gpup: GpuPlacement | None, disk: DiskTier | None, transfers: TierJobs,
-                 fetch: FetchPath) -> None:
+    def __init__(self, ctx: Context, m: TierManagers, transfers: TierJobs, fetch: FetchPath) -> None:
+        """The managers it sequences, the tier jobs it starts (writes and deletes on disk) and the fetch
+        path a pin leases its prefix through."""
         self.ctx = ctx
-        self.table = table
-        self.host = host
-        self.hostp = hostp
-        self.diskp = diskp
-        self.gpup = gpup
-        self.disk = disk
+        self.m = m
+        self.table = m.table
+        self.host = transfers.host
+        self.hostm = m.host
+        self.disk = transfers.disk
         self.transfers = transfers
         self.fetch = fetch
 
@@ -47,7 +43,7 @@ class Retention:
             assert b.host_off is not None  # a host lease: every block is in a host slot
             return self.host.slot_size_at(b.host_off)
         with self.ctx.lock:
-            lease, hp, cfg = s.leases[lease_id], self.hostp, self.ctx.cfg
+            lease, hp, cfg = s.leases[lease_id], self.hostm, self.ctx.cfg
             cap = cfg.host.max_pinned_fraction * hp.limit
             add = sum(slot_bytes(b) for b in lease.blocks if b.pin == 0)
             if hp.pinned_bytes + add > cap:
@@ -55,14 +51,12 @@ class Retention:
                 raise TierFull(f"pinning {add} more bytes would exceed host.max_pinned_fraction "
                                f"({cfg.host.max_pinned_fraction:.0%} of the host tier)")
             for b in lease.blocks:
-                if b.pin == 0:
-                    hp.pinned(b)
-                b.pin = max(b.pin, priority)
+                hp.pin(b, priority)
             self._release(s, lease_id)
             return len(lease.blocks)
 
     def _release(self, s: Session, lease_id: int) -> None:
-        self.table.release(s, [lease_id])
+        self.m.end_leases(self.table.release(s, [lease_id]))
         self.ctx.notify()
 
     def unpin(self, s: Session, keys: list[bytes]) -> int:
@@ -72,9 +66,7 @@ class Retention:
         with self.ctx.lock:
             for k in keys:
                 b = self.table.get(s.fp + k)
-                if b is not None and b.pin:
-                    b.pin = 0
-                    self.hostp.unpinned(b)
+                if b is not None and self.hostm.unpin(b):
                     n += 1
             self.ctx.notify()
         return n
@@ -85,7 +77,7 @@ class Retention:
         namespace(s)
         if min(budget, sinks, recent) < 0:
             raise BadRequest("budget, sinks and recent must be >= 0")
-        ctx, hp = self.ctx, self.hostp
+        ctx, hp = self.ctx, self.hostm
         with ctx.lock:
             out = window_out([self.table.get(s.fp + k) for k in keys], budget, sinks, recent)
             dirty = [b for b in out if not b.on_disk and self.disk is not None]
@@ -112,18 +104,8 @@ class Retention:
                 b = self.table.get(s.fp + k)
                 if b is None or b.busy:
                     continue
-                if b.gpu_off is not None:
-                    assert self.gpup is not None  # b holds a GPU slot
-                    self.gpup.policy.on_remove(b.fk)
-                    self.gpup.pool.free(b.gpu_off)
-                    b.gpu_off = None
-                if b.host_off is not None:
-                    self.hostp.policy.on_remove(b.fk)
-                    self.host.free(b.host_off)
-                    b.host_off = None
-                if b.on_disk:
+                if self.m.delete(b):
                     gone.append(b.fk)
-                self.diskp.forget(b)
             self.ctx.notify()
         if gone and self.disk is not None:
             self.disk.delete(gone)

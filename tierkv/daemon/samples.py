@@ -26,8 +26,8 @@ def take_sample(store: Any) -> dict[str, Any]:
         tiers[name] = d
     links = {k: int(v) for k, v in dict(store.engine.book.link_bytes).items()}
     if store.remote is not None:
-        links["host->remote"] = int(store.remote_counters.bytes_in)
-        links["remote->host"] = int(store.remote_counters.bytes_out)
+        links["host->remote"] = int(store.m.remote.stats.bytes_in)
+        links["remote->host"] = int(store.m.remote.stats.bytes_out)
     fetched = [list(c) for c in list(store.table.ns_hits.values())]  # a copy: HELLOs may add namespaces meanwhile
     served = {"hits": sum(c[0] for c in fetched), "misses": sum(c[1] for c in fetched)}
     return {"t": round(time.time(), 3), "tiers": tiers, "links": links, "served": served}

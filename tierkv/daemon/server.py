@@ -304,8 +304,8 @@ class Server:
         if store is None:
             return {}
         with store.ctx.lock:
-            out = {"blocks": len(store.table), "history": len(store.history), "host_policy": len(store.hostp.policy),
-                   "disk_policy": len(store.diskp.policy)}
+            out = {"blocks": len(store.table), "history": len(store.history), "host_policy": len(store.hostm.policy),
+                   "disk_policy": len(store.diskm.policy)}
         with self._conn_lock:
             out["conns"] = len(self._conns)
         out["threads"] = threading.active_count()

@@ -10,7 +10,8 @@ import time
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session
 from tierkv.cache.costmodel import CostModel
-from tierkv.cache.placement import DiskPlacement, HostPlacement
+from tierkv.cache.disk_manager import DiskManager
+from tierkv.cache.host_manager import HostManager
 from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.store_gate import BlockCosts, StoreGate
 from tierkv.cache.table import BlockTable
@@ -20,13 +21,13 @@ from tierkv.daemon.context import Context
 class Signals:
     """Feeds the reuse models and the policies from requests, commits and the engine's signals."""
 
-    def __init__(self, ctx: Context, table: BlockTable, hostp: HostPlacement, diskp: DiskPlacement,
+    def __init__(self, ctx: Context, table: BlockTable, hostm: HostManager, diskm: DiskManager,
                  host_reuse: ReuseModel, admission: Admission, disk_on: bool, gate: StoreGate,
                  cost: CostModel) -> None:
         self.ctx = ctx
         self.table = table
-        self.hostp = hostp
-        self.diskp = diskp
+        self.hostm = hostm
+        self.diskm = diskm
         self.host_reuse = host_reuse
         self.admission = admission
         self.disk_on = disk_on
@@ -49,9 +50,9 @@ class Signals:
     def disk_referenced(self, fks: list[bytes]) -> None:
         """The blocks of chain ``fks`` that host memory does not hold are the disk tier's references
         (its policy's shadow compares orders on them). Lock held."""
-        if getattr(self.diskp.policy, "shadow", None) is None:
+        if getattr(self.diskm.policy, "shadow", None) is None:
             return  # no shadow to feed (another policy, or disk.order_shadow_rate 0): no walk per request
-        ref, table, parent = self.diskp.policy.referenced, self.table, None
+        ref, table, parent = self.diskm.policy.referenced, self.table, None
         for fk in fks:
             b = table.get(fk)
             if b is None or b.host_off is None:
@@ -60,9 +61,9 @@ class Signals:
 
     def computed(self, new: list[Block]) -> None:
         """Blocks a commit added: computed, held by no tier, so a reference at the disk's level too. Lock held."""
-        if self.disk_on and getattr(self.diskp.policy, "shadow", None) is not None:
+        if self.disk_on and getattr(self.diskm.policy, "shadow", None) is not None:
             for b in new:
-                self.diskp.policy.referenced(b.fk, b.parent)
+                self.diskm.policy.referenced(b.fk, b.parent)
 
     def stored(self, fks: list[bytes], starts: dict[int, bytes | None]) -> None:
         """A commit stored chains ``fks`` (each chain starting at an index of ``starts``). Lock held."""
@@ -108,11 +109,7 @@ class Signals:
                 if b is None:
                     continue
                 found += 1
-                b.mass = mass
-                if b.fk in self.hostp.policy:
-                    self.hostp.policy.on_touch(b.fk, mass)
-                if b.on_disk:
-                    self.diskp.policy.on_touch(b.fk, mass)
+                self.hostm.report_mass(b, mass)
         return found
 
     def learned_models(self) -> dict[str, ReuseModel]:

@@ -5,9 +5,9 @@ for at most ``server.slot_wait_s`` seconds, or the time it asks for."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
-from tierkv.cache.placement import GpuPlacement, HostPlacement
+from tierkv.cache.gpu_manager import GpuManager
+from tierkv.cache.host_manager import HostManager
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.daemon.context import Context
 
@@ -15,13 +15,11 @@ from tierkv.daemon.context import Context
 class Slots:
     """Hands out host slots (and GPU slots when the GPU tier is on). Called with the lock held."""
 
-    def __init__(self, ctx: Context, hostp: HostPlacement, gpup: GpuPlacement | None,
-                 kick: Callable[[bool], None]) -> None:
-        """``kick(force)`` asks the evictor to run soon (``force``: demote even below the high watermark)."""
+    def __init__(self, ctx: Context, hostm: HostManager, gpum: GpuManager) -> None:
         self.ctx = ctx
-        self.hostp = hostp
-        self.gpup = gpup
-        self.kick = kick
+        self.hostm = hostm
+        self.gpum = gpum
+        self.kick = ctx.kick  # the evictor runs soon (``force``: demote even below the high watermark)
 
     def host(self, slot: int, wait: bool = True, timeout: float | None = None, drop_dirty: bool = True) -> int:
         """A host slot, evicting clean blocks first. With ``timeout`` 0 a request never waits: blocks
@@ -33,7 +31,7 @@ class Slots:
         Raises:
             TierFull: every block is leased, moving or pinned (after the wait), or the daemon is closing.
         """
-        hp, ctx = self.hostp, self.ctx
+        hp, ctx = self.hostm, self.ctx
         deadline = None
         while True:
             off = hp.alloc_free(slot)
@@ -65,8 +63,7 @@ class Slots:
         Raises:
             TierFull: no device slot can be freed (after the wait), or the daemon is closing.
         """
-        gp, ctx = self.gpup, self.ctx
-        assert gp is not None  # GPU slots are asked for only when the GPU tier is on
+        gp, ctx = self.gpum, self.ctx
         deadline = None
         while True:
             off = gp.alloc(slot)
@@ -89,7 +86,7 @@ class Slots:
         if tier == "host":
             return "host"
         if tier == "gpu":
-            if self.gpup is None:
+            if not self.gpum.present:
                 raise BadRequest("the GPU tier is off (start the daemon with --gpu-capacity)")
             return "gpu"
         raise BadRequest(f"tier must be 'host' or 'gpu', got {tier!r}")

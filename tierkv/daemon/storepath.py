@@ -8,11 +8,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block, Session
-from tierkv.cache.placement import HostPlacement
-from tierkv.cache.table import BlockTable
+from tierkv.cache.managers import TierManagers
 from tierkv.core.errors import BadRequest, TierFull, TierKVError
 from tierkv.core.keys import Namespace
 from tierkv.daemon.context import Context
@@ -21,10 +19,7 @@ from tierkv.daemon.signals import Signals
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.tier_jobs import TierJobs
 from tierkv.movers.engine import Job
-from tierkv.tiers.host import HostPool, SlabAllocator, slot_size_for
-
-if TYPE_CHECKING:
-    from tierkv.tiers.remote import RemoteTier
+from tierkv.tiers.host import SlabAllocator, slot_size_for
 
 log = logging.getLogger("tierkv.table")
 
@@ -39,20 +34,19 @@ def job_failed(job: Job) -> TierKVError | None:
 class StorePath:
     """Slots out, commits in."""
 
-    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, hostp: HostPlacement, slots: Slots,
-                 transfers: TierJobs, signals: Signals, kick: Callable[[bool], None], disk_on: bool,
-                 remote: RemoteTier | None, gpu_path: GpuPath | None) -> None:
-        """``kick(force)`` asks the evictor to run soon (a commit added blocks to write back)."""
+    def __init__(self, ctx: Context, m: TierManagers, slots: Slots, transfers: TierJobs, signals: Signals,
+                 gpu_path: GpuPath | None) -> None:
+        """The managers it sequences, the slots it hands out, the tier jobs it starts (disk and remote
+        writes), the signals a commit feeds, and the GPU path (None: no GPU tier)."""
         self.ctx = ctx
-        self.table = table
-        self.host = host
-        self.hostp = hostp
+        self.m = m
+        self.table = m.table
+        self.host = transfers.host
+        self.hostm = m.host
         self.slots = slots
         self.transfers = transfers
         self.signals = signals
-        self.kick = kick
-        self.disk_on = disk_on
-        self.remote = remote
+        self.disk_on = m.disk.present
         self.gpu_path = gpu_path
 
     # ---- alloc ------------------------------------------------------------------------------------
@@ -69,13 +63,13 @@ class StorePath:
         slot = slot_size_for(ns.layout.block_bytes)
         if self.slots.tier(tier) == "gpu":
             return self._alloc_gpu(s, ns, n, keys, slot)
-        hp = self.hostp
+        hp = self.hostm
         if n * slot > hp.limit:
             raise BadRequest(f"{n} blocks of {slot} bytes exceed the host tier ({hp.limit} bytes)")
         with self.ctx.lock:
             held = [b for k in keep or () if (b := self.table.get(s.fp + k)) is not None and b.host_off is not None]
             for b in held:
-                b.leases += 1
+                hp.lease(b)
             try:
                 new = n if keys is None else sum(1 for k in keys if (s.fp + k) not in self.table)
                 if hp.make_room(new * slot):
@@ -84,7 +78,7 @@ class StorePath:
                                         self.host.free)
             finally:
                 for b in held:
-                    b.leases -= 1
+                    hp.unlease(b)
                 if held:
                     self.ctx.notify()  # a request waiting for an evictable block may take one of these
 
@@ -147,7 +141,7 @@ class StorePath:
         blocks found. Lock held."""
         found = [b for k in uses or () if (b := self.table.get(s.fp + k)) is not None]
         for b in found:
-            self.hostp.touch(b)
+            self.hostm.touch(b)
         return found
 
     def _commit_host(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
@@ -175,7 +169,7 @@ class StorePath:
                 job = None
             self.ctx.notify()
         self._finish(job, through)
-        self.kick(False)
+        self.ctx.kick()
         return len(new)
 
     def _publish_host(self, s: Session, ns: Namespace, fks: list[bytes], offsets: list[int],
@@ -183,7 +177,7 @@ class StorePath:
                       tokens: list[bytes] | None) -> tuple[list[Block], list[Block]]:
         """Records for committed host slots, chains starting at ``starts`` (index: parent): (new
         blocks, every committed block). Lock held."""
-        table, hp = self.table, self.hostp
+        table, hp = self.table, self.hostm
         new: list[Block] = []
         committed: list[Block] = []
         parent: bytes | None = None
@@ -193,15 +187,11 @@ class StorePath:
             del s.slots[off]
             b = table.get(fk)
             if b is None:
-                b = table.add(Block(fk, ns.layout.block_bytes, host_off=off, parent=parent,
-                                    tokens=tokens[i] if tokens else None))
-                hp.committed(b, parent)
+                b = table.add(Block(fk, ns.layout.block_bytes, parent, tokens[i] if tokens else None))
+                hp.committed(b, off, parent)
                 new.append(b)
             elif b.host_off is None and b.loading is None:
-                if tokens and b.tokens is None:
-                    b.tokens = tokens[i]
-                b.host_off = off  # on disk only: keep the fresh copy hot instead of reading it back
-                hp.inserted(b, parent)
+                hp.kept(b, off, parent, tokens[i] if tokens else None)  # on disk only: no read back
             else:
                 self.host.free(off)  # deduplicated
                 hp.touch(b)
@@ -214,7 +204,7 @@ class StorePath:
         """Publish GPU slots; their copies to host memory (then disk) go on in the background."""
         path = self.gpu_path
         assert path is not None  # the caller's slots.tier checked that the GPU tier is on
-        gpup = path.gpup
+        gpum = self.m.gpu
         fks = [s.fp + k for k in keys]
         new: list[Block] = []
         committed: list[Block] = []
@@ -226,16 +216,14 @@ class StorePath:
                 del s.gpu_slots[off]
                 b = self.table.get(fk)
                 if b is None:
-                    b = self.table.add(Block(fk, ns.layout.block_bytes, gpu_off=off, draining=True,
-                                             tokens=tokens[i] if tokens else None))
-                    gpup.committed(b)
+                    b = self.table.add(Block(fk, ns.layout.block_bytes, tokens=tokens[i] if tokens else None))
+                    gpum.committed(b, off)
                     new.append(b)
                 elif b.gpu_off is None and b.gpu_loading is None:
-                    b.gpu_off = off  # cached in a colder tier: keep the fresh device copy hot
-                    gpup.inserted(b)
+                    gpum.kept(b, off)  # cached in a colder tier: keep the fresh device copy hot
                 else:
                     path.gpu.free(off)  # deduplicated
-                    self.hostp.touch(b)
+                    self.hostm.touch(b)
                 committed.append(b)
             path.drain(new)
             self.ctx.notify()
@@ -300,7 +288,7 @@ class StorePath:
     def remote_writable(self) -> bool:
         """Whether a commit's write-through can be waited for: a remote tier whose breakers let writes
         through (otherwise the write would be dropped at once: the commit does not wait for it)."""
-        return self.remote is not None and self.remote.writable()
+        return self.transfers.remote_writable()
 
     # ---- sync and abort ---------------------------------------------------------------------------
     def sync(self, s: Session) -> None:
