@@ -44,13 +44,24 @@ def _config(tmp_path, gpu: bool = False, **host) -> Config:
 
 def _alloc(t: BlockStore, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host") -> list:
     """ALLOC as its handler makes it: slots of ``tier`` for ``n`` new blocks."""
-    return t.store_path.alloc(s, namespace(s), n, keys, tier)
+    if t.slots.tier(tier) == "gpu":
+        return t.gpu_path.alloc(s, namespace(s), n, keys)
+    return t.store_path.alloc(s, namespace(s), n, keys)
 
 
 def _commit(t: BlockStore, s: Session, keys: list[bytes], offs: list, durable: bool = False,
             tier: str = "host") -> int:
     """COMMIT as its handler makes it (waiting for durable writes; no chains, remote copy or tokens)."""
-    return t.store_path.commit(s, namespace(s), keys, offs, durable, tier, True, None, False, None)
+    if t.slots.tier(tier) == "gpu":
+        return t.gpu_path.commit(s, namespace(s), keys, offs, durable)
+    return t.store_path.commit(s, namespace(s), keys, offs, durable, True, None, False, None)
+
+
+def _acquire(t: BlockStore, s: Session, keys: list[bytes], tier: str = "host") -> tuple[int, list[int], list[str]]:
+    """ACQUIRE as its handler makes it: a fetch in ``tier``, waited for without a timeout."""
+    if t.slots.tier(tier) == "gpu":
+        return t.fetch_path.wait(s, t.gpu_path.fetch(s, namespace(s), keys), None)
+    return t.fetch_path.acquire(s, namespace(s), keys)
 
 
 @pytest.fixture
@@ -90,7 +101,7 @@ def _put(t: BlockStore, s: Session, keys: list[bytes], seed: int = 0, durable: b
 
 def _get(t: BlockStore, s: Session, keys: list[bytes], tier: str = "host") -> tuple[list[bytes], list[str]]:
     """Lease ``keys``, read their bytes and release; returns (bytes, source tiers)."""
-    lease, offs, tiers = t.fetch_path.acquire(s, namespace(s), keys, tier)
+    lease, offs, tiers = _acquire(t, s, keys, tier)
     pool = t.gpu if tier == "gpu" else t.host
     got = [bytes(pool.view(off, BLOCK).numpy() if tier == "gpu" else pool.view(off, BLOCK)) for off in offs]
     t.sessions.release(s, [lease])
@@ -152,7 +163,7 @@ def test_fetch_names_the_gpu_for_a_block_still_draining_from_it(make_table):
 def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_table):
     t = make_table(gpu=True, capacity=2 << 20)
     s = _session(t)
-    t.gpu_path.retry_drains = lambda: None  # only the lease may drain the blocks
+    t.evictor.drains = None  # only the lease may drain the blocks
     fill = _keys(t.host.capacity // BLOCK, start=1000)
     _put(t, s, fill)
     held, _, _ = t.fetch_path.acquire(s, namespace(s), fill)  # every host slot leased: the drain below finds none
@@ -167,7 +178,7 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
     blocks = [t.table.get(s.fp + k) for k in keys]
     assert not any(b.draining for b in blocks)
     slots = [b.host_off for b in blocks]
-    del t.gpu_path.retry_drains
+    t.evictor.drains = t.gpu_path
     t.gpu_path.retry_drains()  # the queued drains are done already: no second host copy
     assert [b.host_off for b in blocks] == slots
     assert _get(t, s, keys)[0] == data
@@ -416,7 +427,7 @@ def test_misuse_is_a_bad_request_and_changes_nothing(make_table):
     with pytest.raises(BadRequest, match="GPU tier is off"):
         _alloc(t, s, 1, tier="gpu")
     with pytest.raises(BadRequest, match="tier must be"):
-        t.fetch_path.fetch(s, namespace(s), _keys(1), tier="disk")
+        _acquire(t, s, _keys(1), tier="disk")
     with pytest.raises(BadRequest, match="ticket"):
         t.fetch_path.wait(s, 99, 0)
     _put(t, s, _keys(1))

@@ -43,6 +43,7 @@ class GpuManager:
         self.changes = changes
         self.present = pool is not None
         self.stats = TierCounters()
+        self.undrained: list[Block] = []  # GPU commits waiting for a host slot to drain into (retried)
 
     @property
     def pool(self) -> SlabAllocator:
@@ -134,18 +135,20 @@ class GpuManager:
         host.prepare_load(b, off, signal)
         self.lease(b)
 
-    def complete_drain(self, b: Block, host: HostManager, ok: bool) -> tuple[LoadSignal | None, bool]:
-        """A copy of ``b`` from its device slot into host memory finished. Returns the copy's signal (for
-        the caller to set once the record is settled) and whether it failed while the device copy is still
-        the only one (drain it again)."""
+    def complete_drain(self, b: Block, host: HostManager, ok: bool) -> LoadSignal | None:
+        """A copy of ``b`` from its device slot into host memory finished (a failed one, while the device
+        copy is the only one, puts ``b`` on :attr:`undrained`). Returns the copy's signal, for the caller
+        to set once the record is settled."""
         ev = host.complete_receive(b, ok)
         self.unlease(b)
         if ok:
             b.draining = False
             self.stats.demotions += 1
-            return ev, False
+            return ev
         self.stats.failed()
-        return ev, b.draining
+        if b.draining:
+            self.undrained.append(b)  # the device copy is still the only one: drained again later
+        return ev
 
     def drop(self, b: Block) -> None:
         """Free a block's device slot; it stays in the colder tiers that hold it."""

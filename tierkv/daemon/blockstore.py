@@ -129,10 +129,9 @@ class BlockStore:
         self.gpu_path = None if self.gpu is None else GpuPath(ctx, m, self.gpu, self.slots, tr)
         self.evictor = Evictor(ctx, m, tr, self.gpu_path)
         self.gate = StoreGate(ctx.cfg.store.gate, min_return=ctx.cfg.store.min_return)
-        self.signals = Signals(ctx, m.table, m.host, m.disk, self.host_reuse, self.admission, m.disk.present,
-                               self.gate, self.cost)
-        self.store_path = StorePath(ctx, m, self.slots, tr, self.signals, self.gpu_path)
-        self.fetch_path = FetchPath(ctx, m, self.slots, tr, self.signals, self.gpu_path)
+        self.signals = Signals(ctx, m, (self.host_reuse, self.admission), self.gate, self.cost)
+        self.store_path = StorePath(ctx, m, self.slots, tr, self.signals)
+        self.fetch_path = FetchPath(ctx, m, self.slots, tr)
         self.retention = Retention(ctx, m, tr, self.fetch_path)
         self.sessions = Sessions(ctx, m, self.host, self.gpu)
         self.tuner = Tuner(ctx, m, tr, (self.history, self.host_reuse, self.admission), self.gate)

@@ -64,7 +64,7 @@ class Evictor:
             self.ctx.wakeup.clear()
             try:
                 self._demote_once()
-                if self.drains is not None and self.drains.undrained:
+                if self.drains is not None and self.m.gpu.undrained:
                     self.drains.retry_drains()
                 self._write_behind()
             except Exception:

@@ -14,8 +14,6 @@ from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.prefix import tier_tokens
 from tierkv.daemon.context import Context
-from tierkv.daemon.gpupath import GpuPath
-from tierkv.daemon.signals import Signals
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.tier_jobs import TierJobs
 from tierkv.tiers.host import slot_size_for
@@ -24,11 +22,9 @@ from tierkv.tiers.host import slot_size_for
 class FetchPath:
     """Lookups, fetches into host (or GPU) memory, waits, prefetches and plans."""
 
-    def __init__(self, ctx: Context, m: TierManagers, slots: Slots, transfers: TierJobs, signals: Signals,
-                 gpu_path: GpuPath | None) -> None:
-        """The managers it sequences, the slots it takes, the tier jobs it starts (loads, the remote
-        tier's lookups), the signals a fetch feeds (and the cost model a plan reads), and the GPU path
-        (None: no GPU tier)."""
+    def __init__(self, ctx: Context, m: TierManagers, slots: Slots, transfers: TierJobs) -> None:
+        """The managers it sequences, the slots it takes, and the tier jobs it starts (loads, copies down
+        from the GPU, the remote tier's lookups; the cost model a plan reads)."""
         self.ctx = ctx
         self.m = m
         self.table = m.table
@@ -36,10 +32,8 @@ class FetchPath:
         self.hostm = m.host
         self.slots = slots
         self.transfers = transfers
-        self.signals = signals
         self.cost: CostModel = transfers.cost
         self.remote = transfers.remote
-        self.gpu_path = gpu_path
         self._warm: dict[bytes, tuple[Block, int]] = {}  # prefetched, not used since: (block, its hits then)
 
     def lookup(self, fp: bytes, keys: list[bytes]) -> list[str]:
@@ -83,20 +77,9 @@ class FetchPath:
         return n
 
     # ---- fetch ------------------------------------------------------------------------------------
-    def fetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object = "host") -> int:
-        """Start leasing the cached prefix of ``keys`` in ``tier`` memory; returns a ticket for
-        :meth:`wait`. Never blocks on the disk; GPU slots are promoted in the background."""
-        self.signals.requested(s, keys)
-        if self.slots.tier(tier) != "gpu":
-            return self._fetch_host(s, ns, keys)
-        assert self.gpu_path is not None  # slots.tier checked that the GPU tier is on
-        leased, tiers = self.gpu_path.promote(s, ns, keys, lease=True)
-        with self.ctx.lock:
-            self.table.count_fetch(s.fp, len(keys), len(leased))
-            return self.table.open_ticket(s, leased, tiers, "gpu")
-
-    def _fetch_host(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
-        """Lease the cached prefix in host memory: host blocks at once, colder ones as they arrive."""
+    def fetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
+        """Start leasing the cached prefix of ``keys`` in host memory (host blocks at once, colder ones as
+        they arrive); returns a ticket for :meth:`wait`. Never blocks on the disk."""
         slot = slot_size_for(ns.layout.block_bytes)
         leased: list[Block] = []
         tiers: list[str] = []
@@ -144,8 +127,7 @@ class FetchPath:
             off = self._slot_for(b, slot)
             if off is None or b.host_off is not None or b.gpu_off is None or b.gpu_loading is not None:
                 return self._moved(b, off, slot, loads)
-            assert self.gpu_path is not None  # b holds a GPU slot: the GPU tier is on
-            self.gpu_path.copy_down(b, off)
+            self.transfers.copy_down(b, off)
             hp.missed()
             return "gpu"
         return None
@@ -202,15 +184,15 @@ class FetchPath:
                 return
         self.transfers.load_remote(loads)
 
-    def acquire(self, s: Session, ns: Namespace, keys: list[bytes], tier: object = "host"
-                ) -> tuple[int, list[int], list[str]]:
-        """Lease the longest cached prefix in host (or GPU) memory, waiting for its promotions:
-        :meth:`fetch`, then :meth:`wait` without a timeout."""
-        return self.wait(s, self.fetch(s, ns, keys, tier), None)
+    def acquire(self, s: Session, ns: Namespace, keys: list[bytes]) -> tuple[int, list[int], list[str]]:
+        """Lease the longest cached prefix in host memory, waiting for its promotions: :meth:`fetch`,
+        then :meth:`wait` without a timeout."""
+        return self.wait(s, self.fetch(s, ns, keys), None)
 
     # ---- wait -------------------------------------------------------------------------------------
     def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
-        """Turn a ticket into a lease on the exact prefix that arrived within ``timeout`` seconds.
+        """Turn a ticket (of a host or a GPU fetch) into a lease on the exact prefix that arrived within
+        ``timeout`` seconds.
 
         Blocks still loading after the timeout are cut off (a partial result is normal); their loads
         finish in the background and stay cached.
@@ -242,15 +224,7 @@ class FetchPath:
             return lease.id, offs, tiers[:cut]
 
     # ---- prefetch and plan ------------------------------------------------------------------------
-    def prefetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object) -> int:
-        """Warm the cached prefix in host (or GPU) memory in the background; returns loads started."""
-        self.signals.requested(s, keys)
-        if self.slots.tier(tier) == "gpu":
-            assert self.gpu_path is not None  # slots.tier checked that the GPU tier is on
-            return len(self.gpu_path.promote(s, ns, keys, lease=False)[0])
-        return self._prefetch_host(s, ns, keys)
-
-    def _prefetch_host(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
+    def prefetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
         """Promote the disk-only blocks of the cached prefix into host memory; returns loads started.
 
         Prefetched blocks not used yet hold at most ``host.prefetch_fraction`` of the host tier, and

@@ -10,27 +10,25 @@ import time
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session
 from tierkv.cache.costmodel import CostModel
-from tierkv.cache.disk_manager import DiskManager
-from tierkv.cache.host_manager import HostManager
+from tierkv.cache.managers import TierManagers
 from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.store_gate import BlockCosts, StoreGate
-from tierkv.cache.table import BlockTable
 from tierkv.daemon.context import Context
 
 
 class Signals:
     """Feeds the reuse models and the policies from requests, commits and the engine's signals."""
 
-    def __init__(self, ctx: Context, table: BlockTable, hostm: HostManager, diskm: DiskManager,
-                 host_reuse: ReuseModel, admission: Admission, disk_on: bool, gate: StoreGate,
+    def __init__(self, ctx: Context, m: TierManagers, models: tuple[ReuseModel, Admission], gate: StoreGate,
                  cost: CostModel) -> None:
+        """The managers whose policies learn (and the records they keep), the reuse models (host reuse,
+        disk admission), the store gate and the cost model its offers are weighed with."""
         self.ctx = ctx
-        self.table = table
-        self.hostm = hostm
-        self.diskm = diskm
-        self.host_reuse = host_reuse
-        self.admission = admission
-        self.disk_on = disk_on
+        self.table = m.table
+        self.hostm = m.host
+        self.diskm = m.disk
+        self.host_reuse, self.admission = models
+        self.disk_on = m.disk.present
         self.gate = gate
         self.cost = cost
 

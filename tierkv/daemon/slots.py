@@ -5,7 +5,9 @@ for at most ``server.slot_wait_s`` seconds, or the time it asks for."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+from tierkv.cache.block import Session
 from tierkv.cache.gpu_manager import GpuManager
 from tierkv.cache.host_manager import HostManager
 from tierkv.core.errors import BadRequest, TierFull
@@ -76,6 +78,32 @@ class Slots:
             if time.monotonic() > deadline or not gp.draining():
                 raise TierFull("GPU tier is full: every block is leased or being filled")
             ctx.wait_until(deadline)
+
+    def take(self, s: Session, keys: list[bytes] | None, n: int, slot: int, take: Callable[[], int],
+             owned: dict[int, int], free: Callable[[int], None]) -> list[int | None]:
+        """Slots from ``take`` for the ``n`` new blocks not cached yet (None for cached ``keys``), recorded
+        in the connection's ``owned``; all given back (``free``) if the tier fills on the way.
+
+        Raises:
+            TierFull: the tier filled.
+        """
+        table = self.hostm.table
+        out: list[int | None] = []
+        try:
+            for i in range(n):
+                if keys is not None and (s.fp + keys[i]) in table:
+                    out.append(None)
+                    continue
+                off = take()
+                owned[off] = slot
+                out.append(off)
+        except TierFull:
+            for given in out:
+                if given is not None:
+                    owned.pop(given, None)
+                    free(given)
+            raise
+        return out
 
     def tier(self, tier: object) -> str:
         """Check a tier name from the wire: "host", or "gpu" when the GPU tier is on.

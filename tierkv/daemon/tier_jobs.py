@@ -25,6 +25,7 @@ from tierkv.daemon.settle import completion, moves
 from tierkv.daemon.startup import Tiers
 from tierkv.movers.engine import VERIFY, Job, Move, TransferEngine
 from tierkv.movers.jobs import failed_job
+from tierkv.movers.streams import Copy
 
 log = logging.getLogger("tierkv.table")
 TO_DISK = ("host", "disk")
@@ -194,6 +195,63 @@ class TierJobs:
         """A remote value reached ``b``'s host slot, or did not (gone, corrupt or the remote is down: a
         miss, never served)."""
         ev = self.m.host.complete_load(b, m.ok, self.m.remote.stats)
+        if ev is not None:
+            ev.set()
+
+    # ---- gpu <-> host ------------------------------------------------------------------------------
+    def prepare_drain(self, b: Block, off: int) -> None:
+        """``b``'s device copy is to be copied into host slot ``off`` (by :meth:`copy_to_host`)."""
+        self.m.gpu.prepare_drain(b, self.m.host, off, threading.Event())
+
+    def copy_down(self, b: Block, off: int) -> None:
+        """Copy ``b``, held only on the GPU, into host slot ``off`` (a host lease waits for it)."""
+        self.prepare_drain(b, off)
+        self.copy_to_host([b])
+
+    def copy_to_host(self, blocks: list[Block]) -> None:
+        """GPU slot -> the host slot each drain was prepared with (:meth:`GpuManager.prepare_drain`), on
+        the store queue; the blocks that arrived are written through to the remote tier."""
+        if not blocks:
+            return
+        gpu = self.tiers.gpu
+        assert gpu is not None  # the blocks hold GPU slots
+        copies = []
+        for b in blocks:
+            assert b.gpu_off is not None and b.host_off is not None  # a drain with its host slot assigned
+            copies.append(Copy(gpu.view(b.gpu_off, b.nbytes), self.engine.host_view(b.host_off, b.nbytes)))
+        self.engine.submit(("gpu", "host"), copies, completion(self.ctx.changed, blocks, self._drained,
+                                                               locked=functools.partial(self._arrived, blocks),
+                                                               after=self._kick))
+
+    def _drained(self, b: Block, c: Copy) -> None:
+        ev = self.m.gpu.complete_drain(b, self.m.host, c.ok)
+        if ev is not None:
+            ev.set()
+
+    def _arrived(self, blocks: list[Block], _job: Job) -> None:
+        self.write_through([b for b in blocks if b.host_off is not None])
+
+    def _kick(self, _job: Job) -> None:
+        self.ctx.kick()
+
+    def copy_up(self, b: Block, off: int) -> Copy:
+        """Start filling device slot ``off`` from ``b``'s host slot (read until the copy is done, after
+        the load filling it, if any): the copy, for :meth:`to_device`."""
+        gpu = self.tiers.gpu
+        assert gpu is not None and b.host_off is not None  # a promotion: GPU tier on, a host slot to read
+        self.m.gpu.prepare_load(b, off, threading.Event())
+        self.m.host.lease(b)
+        return Copy(self.engine.host_view(b.host_off, b.nbytes), gpu.view(off, b.nbytes),
+                    ready=None if b.loading is None else ready_after(b, b.loading))
+
+    def to_device(self, blocks: list[Block], copies: list[Copy]) -> None:
+        """Run the host -> GPU copies of :meth:`copy_up` on the load queue."""
+        if copies:
+            self.engine.submit(("host", "gpu"), copies, completion(self.ctx.changed, blocks, self._promoted))
+
+    def _promoted(self, b: Block, c: Copy) -> None:
+        self.m.host.unlease(b)
+        ev = self.m.gpu.complete_load(b, c.ok)  # a failed copy (its source never arrived) is a miss, never served
         if ev is not None:
             ev.set()
 
