@@ -19,6 +19,7 @@ from tierkv.core.protocol import Op
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
 from tierkv.daemon.gpupath import GpuPath
+from tierkv.daemon.samples import SampleRing
 from tierkv.daemon.sessions import namespace
 
 SENT = object()  # a handler's result when it sent its reply itself (HELLO passes file descriptors)
@@ -29,7 +30,7 @@ class Served(Protocol):
 
     cfg: Config  # replaced by TUNE
     store: BlockStore | None
-    samples: Any  # the sample ring, or None
+    samples: SampleRing | None
 
     def stats(self) -> dict:
         """The snapshot behind ``tierkv stats``."""

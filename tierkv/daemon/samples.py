@@ -12,11 +12,13 @@ import threading
 import time
 from typing import Any
 
+from tierkv.daemon.blockstore import BlockStore
+
 log = logging.getLogger("tierkv.daemon.samples")
 _COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions")
 
 
-def take_sample(store: Any) -> dict[str, Any]:
+def take_sample(store: BlockStore) -> dict[str, Any]:
     """One sample of a :class:`~tierkv.daemon.blockstore.BlockStore`: wall time, per tier used/capacity
     bytes and counters, bytes moved per link, and the blocks fetches got from any tier (``served``)."""
     tiers: dict[str, dict[str, int]] = {}
@@ -36,7 +38,7 @@ def take_sample(store: Any) -> dict[str, Any]:
 class SampleRing:
     """The newest ``count`` samples, one every ``interval`` seconds, taken on a daemon thread."""
 
-    def __init__(self, store: Any, interval: float, count: int) -> None:
+    def __init__(self, store: BlockStore, interval: float, count: int) -> None:
         self.store = store
         self.interval = interval
         self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=count)

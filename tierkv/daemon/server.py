@@ -28,6 +28,7 @@ from tierkv.core.protocol import Op
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
 from tierkv.daemon.handlers import SENT, Handlers
+from tierkv.daemon.samples import SampleRing
 
 log = logging.getLogger("tierkv.daemon.server")
 _UCRED = struct.Struct("3i")
@@ -70,7 +71,7 @@ class Server:
         self.started = time.time()
         self.requests = 0
         self.metrics: Any = None   # tierkv.daemon.metrics.Metrics while /metrics is served
-        self.samples: Any = None   # tierkv.daemon.samples.SampleRing behind `tierkv stats --plot`
+        self.samples: SampleRing | None = None  # behind `tierkv stats --plot`
         self._pids: dict[int, int] = {}  # session id -> the client's pid (SO_PEERCRED)
         self._handlers = Handlers(self).by_opcode()
 
@@ -113,9 +114,9 @@ class Server:
         print(f"tierkv: ready on {self.socket_path}", file=sys.stderr, flush=True)
 
     def _start_observers(self) -> None:
-        from tierkv.daemon.samples import SampleRing
-
+        """The sample ring and, when ``server.metrics_addr`` is set, ``/metrics``."""
         sc = self.cfg.server
+        assert self.store is not None  # observers start after the store
         self.samples = SampleRing(self.store, sc.sample_interval_s, sc.sample_count)
         self.samples.start()
         if sc.metrics_addr:

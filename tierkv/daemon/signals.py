@@ -48,7 +48,7 @@ class Signals:
     def disk_referenced(self, fks: list[bytes]) -> None:
         """The blocks of chain ``fks`` that host memory does not hold are the disk tier's references
         (its policy's shadow compares orders on them). Lock held."""
-        if getattr(self.diskm.policy, "shadow", None) is None:
+        if self.diskm.policy.shadow is None:
             return  # no shadow to feed (another policy, or disk.order_shadow_rate 0): no walk per request
         ref, table, parent = self.diskm.policy.referenced, self.table, None
         for fk in fks:
@@ -59,7 +59,7 @@ class Signals:
 
     def computed(self, new: list[Block]) -> None:
         """Blocks a commit added: computed, held by no tier, so a reference at the disk's level too. Lock held."""
-        if self.disk_on and getattr(self.diskm.policy, "shadow", None) is not None:
+        if self.disk_on and self.diskm.policy.shadow is not None:
             for b in new:
                 self.diskm.policy.referenced(b.fk, b.parent)
 

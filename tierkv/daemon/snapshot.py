@@ -91,7 +91,7 @@ class Snapshots:
                                       slabs={str(k): v for k, v in host.slab_usage().items()}, policy=hp.policy.name)
         tiers["host"].update(bytes_logical=live, bytes_stored=host.used_bytes, pinned_bytes=hp.pinned_bytes,
                              limit_bytes=hp.limit, reuse=self.host_reuse.snapshot())
-        shadow = getattr(hp.policy, "shadow", None)
+        shadow = hp.policy.shadow
         if shadow is not None:
             tiers["host"]["shadow"] = shadow.snapshot()
         disk = self.tiers.disk
@@ -106,8 +106,8 @@ class Snapshots:
                                           rejected=adm.rejected, placement=adm.snapshot(),
                                           background_cpu_s=round(share.used_s, 3) if share else 0.0,
                                           background_waited_s=round(share.waited_s, 3) if share else 0.0,
-                                          idle_half_life_s=round(getattr(dp.policy, "tau", 0.0), 1))
-            shadow = getattr(dp.policy, "shadow", None)
+                                          idle_half_life_s=round(dp.policy.tau, 1))
+            shadow = dp.policy.shadow
             if shadow is not None:
                 tiers["disk"]["shadow"] = shadow.snapshot()
         return tiers

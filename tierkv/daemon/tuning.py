@@ -48,7 +48,7 @@ class Tuner:
             ValueError: a value the running daemon cannot take (nothing changed).
         """
         disk, engine = self.disk, self.engine
-        tuning.check_capacities(new, changed, self.host.capacity, disk.capacity if disk is not None else None,
+        tuning.check_capacities((new.host, new.disk), changed, self.host.capacity, disk.capacity if disk is not None else None,
                                 disk.map_size if disk is not None else 0)
         host_policy = disk_policy = None
         if tuning.policy_changed("host", changed):
@@ -91,8 +91,7 @@ class Tuner:
         """Same policy: new weights (and reuse factor); another: it takes over every block on disk. Lock held."""
         current = self.diskm.policy
         if policy.name == current.name:
-            if hasattr(policy, "reuse") and hasattr(current, "reuse"):  # one class: both have it or neither
-                current.reuse = policy.reuse
+            current.reuse = policy.reuse
             current.update(**policy.settings())
             return
         for b in self.table.records():
