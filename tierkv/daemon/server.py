@@ -114,15 +114,20 @@ class Server:
         print(f"tierkv: ready on {self.socket_path}", file=sys.stderr, flush=True)
 
     def _start_observers(self) -> None:
-        """The sample ring and, when ``server.metrics_addr`` is set, ``/metrics``."""
+        """The sample ring and, when ``server.metrics_addr`` is set, ``/metrics`` and the control API."""
         sc = self.cfg.server
         assert self.store is not None  # observers start after the store
         self.samples = SampleRing(self.store, sc.sample_interval_s, sc.sample_count)
         self.samples.start()
         if sc.metrics_addr:
+            from tierkv.daemon.control import Control, read_token
             from tierkv.daemon.metrics import Metrics
 
-            self.metrics = Metrics(self)
+            try:
+                token = read_token(sc.control_token_file) if sc.control_token_file else None
+            except ValueError as exc:
+                raise TierKVError(str(exc)) from None
+            self.metrics = Metrics(self, Control(self.store, token))
             host, port = self.metrics.serve(sc.metrics_addr)
             print(f"tierkv: metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
 

@@ -1,0 +1,44 @@
+"""``tierkv control``: the operator's commands on a running daemon's control API (pin, unpin, warm, delete
+a prompt's prefix; status), through :class:`~tierkv.client.control_api.ControlClient`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from tierkv.client.control_api import ControlClient
+from tierkv.core.prefix import parse_token_ids
+
+_OPS = ("pin", "unpin", "warm", "delete")
+
+
+@click.command()
+@click.argument("op", type=click.Choice(["status", *_OPS]))
+@click.argument("tokens", required=False)
+@click.option("--addr", required=True, help="The daemon's metrics address (server.metrics_addr), HOST:PORT or PORT.")
+@click.option("--token-file", help="The bearer token's file (server.control_token_file); needed but for status.")
+@click.option("--model", help="The model id the engines registered (every TP rank's namespace).")
+@click.option("--salt", help="The tenant's cache_salt (its prefixes are keyed apart).")
+@click.option("--identity", help="The model's identity (or its first characters) where several serve the model id.")
+@click.option("--priority", default=80, show_default=True, type=click.IntRange(1, 100), help="pin: retention priority.")
+@click.option("--force", is_flag=True, help="delete: pinned blocks too.")
+def control(op: str, tokens: str | None, addr: str, token_file: str | None, model: str | None, salt: str | None,
+            identity: str | None, priority: int, force: bool) -> None:
+    """OP (status, pin, unpin, warm, delete) the prefix of TOKENS (token ids as a JSON list or separated by
+    commas; standard input when absent) on the daemon at --addr; prints the reply as JSON."""
+    ctl = ControlClient(addr, token_file=token_file)
+    if op == "status":
+        out = ctl.status()
+    else:
+        if not model:
+            raise click.UsageError(f"{op} needs --model")
+        ids = parse_token_ids(tokens if tokens is not None else sys.stdin.read())
+        if op == "pin":
+            out = ctl.pin(model, ids, salt, identity, priority)
+        elif op == "delete":
+            out = ctl.delete(model, ids, salt, identity, force)
+        else:
+            out = getattr(ctl, op)(model, ids, salt, identity)
+    click.echo(json.dumps(out))
