@@ -184,3 +184,24 @@ def test_the_python_client_and_the_cli_do_the_same_operations(control, tmp_path)
                               "--addr", str(control.port), "--token-file", str(token)],
                              capture_output=True, text=True, timeout=60, cwd=REPO)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tokens" in bad.stderr
+
+
+def test_delete_takes_the_copies_of_the_tiers_named_or_a_whole_namespace(control):
+    port = control.port
+    with control.client(model="ctl-a") as c, control.client(model="ctl-b") as other:
+        tokens = _prompt(10, 4)
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(4, seed=10), durable=True)
+        assert c.lookup_tiers(keys) == ["host"] * 4
+        assert _call(port, "POST", "delete", {"model": "ctl-a", "tokens": tokens, "tiers": ["host"]}) == \
+            (200, {"deleted": 4})
+        assert c.lookup_tiers(keys) == ["disk"] * 4, "the disk copies stay"
+        more = c.block_keys(_prompt(11, 3))
+        c.put(more, rand_blocks(3, seed=11))
+        theirs = other.block_keys(tokens)
+        other.put(theirs, rand_blocks(4, seed=12))
+        assert _call(port, "POST", "delete", {"model": "ctl-a", "tiers": ["tape"]})[0] == 400
+        assert _call(port, "POST", "delete", {"model": "ctl-a"}) == (200, {"deleted": 7})
+        assert c.lookup(keys) == 0 and c.lookup(more) == 0
+        assert other.lookup(theirs) == 4, "another model's namespace is untouched"
+        assert _call(port, "GET", "status")[1]["namespaces"][0]["blocks"] in (0, 4)

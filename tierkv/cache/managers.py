@@ -8,7 +8,7 @@ tier fields themselves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from tierkv.cache.block import Block, Lease
@@ -20,7 +20,9 @@ from tierkv.cache.remote_manager import RemoteManager
 from tierkv.cache.table import BlockTable
 from tierkv.cache.tier_changes import TierChanges
 
-__all__ = ["TierManagers"]
+__all__ = ["LOCAL_TIERS", "TierManagers"]
+
+LOCAL_TIERS = frozenset({"gpu", "host", "disk"})
 
 
 @dataclass
@@ -43,11 +45,17 @@ class TierManagers:
             for b in lease.blocks:
                 manager.unlease(b)
 
-    def delete(self, b: Block) -> bool:
-        """A client deleted ``b`` (in use by no tier): every copy goes and the record with it. Returns
-        whether it had a value on disk (the caller deletes it there)."""
-        on_disk = b.on_disk
-        self.gpu.delete(b)
-        self.host.delete(b)
-        self.disk.forget(b)
+    def delete(self, b: Block, tiers: Collection[str] = LOCAL_TIERS) -> bool:
+        """A client or the operator deleted ``b`` (in use by no tier) from ``tiers``: those copies go, and
+        the record with the last local one. Returns whether its value on disk went (the caller deletes
+        it there)."""
+        on_disk = b.on_disk and "disk" in tiers
+        if "gpu" in tiers:
+            self.gpu.delete(b)
+        if "host" in tiers:
+            self.host.delete(b)
+        if on_disk:
+            self.disk.removed(b)
+        if b.gpu_off is None and b.host_off is None and not b.on_disk:
+            self.disk.forget(b)
         return on_disk

@@ -45,6 +45,12 @@ class RemoteManager:
             b.on_remote = False
             self.changes.lost(b, "remote")
 
+    def deleted(self, b: Block) -> None:
+        """``b``'s copy was deleted from the remote tier."""
+        if b.on_remote:
+            b.on_remote = False
+            self.changes.lost(b, "remote")
+
     def found(self, b: Block) -> None:
         """A fetch found ``b`` in the remote tier (a new record, loading from there)."""
         if not b.on_remote:

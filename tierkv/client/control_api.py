@@ -62,10 +62,15 @@ class ControlClient:
         in host memory, ``missing`` (not cached), ``bytes`` and ``seconds``."""
         return self._call("POST", "warm", _prefix(model, tokens, salt, identity))
 
-    def delete(self, model: str, tokens: Sequence[int], salt: str | None = None, identity: str | None = None,
-               force: bool = False) -> dict[str, Any]:
-        """Drop the prefix's blocks from every local tier (pinned ones only with ``force``): ``deleted``."""
-        return self._call("POST", "delete", _prefix(model, tokens, salt, identity) | {"force": force})
+    def delete(self, model: str, tokens: Sequence[int] | None, salt: str | None = None, identity: str | None = None,
+               force: bool = False, tiers: Sequence[str] | None = None) -> dict[str, Any]:
+        """Drop the prefix's blocks, or with ``tokens`` None every block of the model's namespaces, from
+        ``tiers`` (``gpu``, ``host``, ``disk``, ``remote``: the remote copies this daemon knows of; default
+        all), pinned ones only with ``force``: ``deleted`` blocks."""
+        body = _prefix(model, tokens, salt, identity) | {"force": force}
+        if tiers is not None:
+            body["tiers"] = list(tiers)
+        return self._call("POST", "delete", body)
 
     def _call(self, method: str, op: str, body: dict | None) -> dict[str, Any]:
         req = urllib.request.Request(self.url + op, method=method,
@@ -90,8 +95,10 @@ _ERRORS: dict[int, type[TierKVError]] = {400: BadRequest, 401: PermissionDenied,
                                          404: BadRequest, 409: TierFull}
 
 
-def _prefix(model: str, tokens: Sequence[int], salt: str | None, identity: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "tokens": [int(t) for t in tokens]}
+def _prefix(model: str, tokens: Sequence[int] | None, salt: str | None, identity: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model}
+    if tokens is not None:
+        body["tokens"] = [int(t) for t in tokens]
     if salt is not None:
         body["salt"] = salt
     if identity is not None:

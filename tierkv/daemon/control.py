@@ -28,6 +28,7 @@ from tierkv.daemon.blockstore import BlockStore
 __all__ = ["Control", "read_token"]
 
 MAX_TOKENS = 1 << 20  # token ids one request may name
+TIERS = frozenset({"gpu", "host", "disk", "remote"})
 _SESSION_IDS = itertools.count(-1, -1)  # control sessions never collide with a connection's id
 
 
@@ -151,16 +152,22 @@ class Control:
                 "bytes": loaded, "seconds": round(time.monotonic() - t0, 4)}
 
     def delete(self, req: dict) -> dict:
-        """Drop the prefix's blocks from every local tier (pinned ones only with ``force``; blocks in use
-        by an engine stay)."""
-        force = req.get("force", False)
+        """Drop the prefix's blocks, or without ``tokens`` every block of the model's namespaces, from
+        ``tiers`` (default every tier: the local ones and the remote copies this daemon knows of); pinned
+        ones only with ``force``; blocks in use by an engine stay."""
+        force, tiers = req.get("force", False), req.get("tiers", sorted(TIERS))
         if not isinstance(force, bool):
             raise BadRequest("force must be true or false")
+        if not isinstance(tiers, list) or not tiers or not set(tiers) <= TIERS:
+            raise BadRequest(f"tiers must be a list of {', '.join(sorted(TIERS))}")
         n = 0
-        for s, keys in self._prefixes(req):
-            if force:
-                self.store.retention.unpin(s, keys)
-            n += self.store.retention.delete(s, keys)
+        if req.get("tokens") is None:
+            for ns in self._namespaces(req):
+                with self._session(ns) as s:
+                    n += self.store.retention.drop(s, None, frozenset(tiers), force)
+        else:
+            for s, keys in self._prefixes(req):
+                n += self.store.retention.drop(s, keys, frozenset(tiers), force)
         return {"deleted": n}
 
     # ---- what a request names ---------------------------------------------------------------------

@@ -110,3 +110,34 @@ class Retention:
         if gone and self.disk is not None:
             self.disk.delete(gone)
         return len(keys) - sum(1 for k in keys if (s.fp + k) in self.table)
+
+    def drop(self, s: Session, keys: list[bytes] | None, tiers: frozenset[str], force: bool) -> int:
+        """The operator's delete: the copies in ``tiers`` (of ``gpu``, ``host``, ``disk``, ``remote``: the
+        remote copies this daemon knows of) of ``keys``' blocks, or with ``keys`` None of every block of
+        the connection's namespace. Pinned blocks only with ``force`` (unpinned first); blocks in use stay.
+        Returns the blocks that lost a copy."""
+        ns = namespace(s)
+        gone: list[bytes] = []
+        remote: list[tuple[bytes, bytes]] = []
+        n = 0
+        with self.ctx.lock:
+            blocks = ([b for k in keys if (b := self.table.get(s.fp + k)) is not None] if keys is not None
+                      else [b for b in self.table.records() if b.fk.startswith(s.fp)])
+            for b in blocks:
+                if force:
+                    self.hostm.unpin(b)
+                if b.busy:
+                    continue
+                held = set(b.held())
+                if "remote" in tiers and b.on_remote:
+                    remote.append((ns.fingerprint, b.fk[len(s.fp):]))
+                    self.m.remote.deleted(b)
+                if self.m.delete(b, tiers):
+                    gone.append(b.fk)
+                n += bool(held - set(b.held()) or b.fk not in self.table)
+            self.ctx.notify()
+        if gone and self.disk is not None:
+            self.disk.delete(gone)
+        if remote and self.transfers.remote is not None:
+            self.transfers.remote.delete_many(remote)
+        return n

@@ -24,8 +24,10 @@ _OPS = ("pin", "unpin", "warm", "delete")
 @click.option("--identity", help="The model's identity (or its first characters) where several serve the model id.")
 @click.option("--priority", default=80, show_default=True, type=click.IntRange(1, 100), help="pin: retention priority.")
 @click.option("--force", is_flag=True, help="delete: pinned blocks too.")
+@click.option("--tiers", help="delete: only these tiers' copies (gpu,host,disk,remote; default all).")
+@click.option("--all", "everything", is_flag=True, help="delete: every block of the model's namespaces (no TOKENS).")
 def control(op: str, tokens: str | None, addr: str, token_file: str | None, model: str | None, salt: str | None,
-            identity: str | None, priority: int, force: bool) -> None:
+            identity: str | None, priority: int, force: bool, tiers: str | None, everything: bool) -> None:
     """OP (status, pin, unpin, warm, delete) the prefix of TOKENS (token ids as a JSON list or separated by
     commas; standard input when absent) on the daemon at --addr; prints the reply as JSON."""
     ctl = ControlClient(addr, token_file=token_file)
@@ -34,11 +36,15 @@ def control(op: str, tokens: str | None, addr: str, token_file: str | None, mode
     else:
         if not model:
             raise click.UsageError(f"{op} needs --model")
-        ids = parse_token_ids(tokens if tokens is not None else sys.stdin.read())
-        if op == "pin":
+        if everything and (op != "delete" or tokens is not None):
+            raise click.UsageError("--all is for delete, without TOKENS")
+        ids = None if everything else parse_token_ids(tokens if tokens is not None else sys.stdin.read())
+        if op == "delete":
+            out = ctl.delete(model, ids, salt, identity, force, tiers.split(",") if tiers else None)
+        elif ids is None:
+            raise click.UsageError(f"{op} needs TOKENS")
+        elif op == "pin":
             out = ctl.pin(model, ids, salt, identity, priority)
-        elif op == "delete":
-            out = ctl.delete(model, ids, salt, identity, force)
         else:
             out = getattr(ctl, op)(model, ids, salt, identity)
     click.echo(json.dumps(out))
