@@ -177,6 +177,9 @@ def test_the_python_client_and_the_cli_do_the_same_operations(control, tmp_path)
             return json.loads(out.stdout)
 
         ids = ",".join(map(str, tokens))
+        assert cli("quotas", "--tenant", "t1", "--host", "64KiB")["quota"] == {"host": 65536, "disk": None}
+        assert ctl.set_quota("t1", host=None, disk=1 << 20)["quota"] == {"host": None, "disk": 1 << 20}
+        assert cli("tenants")["tenants"]["t1"]["quota"] == {"host": None, "disk": 1 << 20}
         assert cli("unpin", ids, "--model", "ctl-a") == {"unpinned": 2}
         assert cli("delete", ids, "--model", "ctl-a") == {"deleted": 2}
         assert cli("status")["pins"] == {"blocks": 0, "bytes": 0}
@@ -205,3 +208,54 @@ def test_delete_takes_the_copies_of_the_tiers_named_or_a_whole_namespace(control
         assert c.lookup(keys) == 0 and c.lookup(more) == 0
         assert other.lookup(theirs) == 4, "another model's namespace is untouched"
         assert _call(port, "GET", "status")[1]["namespaces"][0]["blocks"] in (0, 4)
+
+
+def _flood_as(c, tenant: str, blocks: int, seed: int) -> None:
+    for i in range(blocks // 8):
+        c.put(c.block_keys(_prompt(seed + i, 8)), rand_blocks(8, seed=seed + i), durable=True, tenant=tenant)
+
+
+@pytest.mark.parametrize("quota", [True, False])
+def test_a_tenant_under_its_quota_keeps_its_blocks_through_another_tenants_flood(control, quota):
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        if quota:
+            assert _call(port, "POST", "quotas", {"tenant": "a", "host": 32 * 8192})[0] == 200
+        tokens = _prompt(20, 16)
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(16, seed=20), tenant="a")
+        assert c.lookup(keys) == 16
+        _flood_as(c, "b", 512, seed=300)  # 4x the host tier
+        tiers = c.lookup_tiers(keys)
+        if quota:
+            assert tiers == ["host"] * 16, "the flood evicts none of a's blocks"
+        else:
+            assert "host" not in tiers, "without a quota the flood evicts a's blocks"
+        used = _call(port, "GET", "tenants")[1]["tenants"]
+        assert used["a"]["used"]["host"] == (16 * 8192 if quota else 0)
+        assert c.get(keys).shape[0] == 16
+
+
+def test_a_tenant_over_its_quota_gives_up_its_own_blocks(control):
+    from tests.helpers import wait_for
+
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        keep = c.block_keys(_prompt(21, 8))
+        c.put(keep, rand_blocks(8, seed=21))  # no tenant: shares what remains
+        assert _call(port, "POST", "quotas", {"tenant": "b", "host": 16 * 8192, "disk": None})[1]["quota"] == \
+            {"host": 16 * 8192, "disk": None}
+        _flood_as(c, "b", 64, seed=400)
+
+        def b_host() -> int:
+            return _call(port, "GET", "tenants")[1]["tenants"]["b"]["used"]["host"]
+        assert wait_for(lambda: b_host() <= 16 * 8192), b_host()
+        assert c.lookup_tiers(keep) == ["host"] * 8, "the host tier had room: nothing else was evicted"
+        assert c.lookup(c.block_keys(_prompt(400, 8))) == 8, "b's blocks went to disk, not away"
+        with c.acquire(keep):
+            pass
+        for body, needle in (({"host": 1}, "tenant must be"), ({"tenant": "b", "host": -1}, "bytes >= 0"),
+                             ({"tenant": "b", "tape": 1}, "host and/or disk"), ({"tenant": "b"}, "host and/or disk")):
+            status, reply = _call(port, "POST", "quotas", body)
+            assert status == 400 and needle in reply["error"], (body, reply)
+        assert _call(port, "POST", "quotas", {"tenant": "b", "host": 1}, token=None)[0] == 401

@@ -41,20 +41,23 @@ TIER_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 class Block:
-    """One block's record: what it is (``fk``, size, the chain it was stored in, its token ids), the
+    """One block's record: what it is (``fk``, size, the chain it was stored in, its token ids, the
+    tenant that stored it), the
     signals the policies read (``hits``, ``mass``), and per tier the state its manager owns
     (:data:`TIER_FIELDS`). A new record holds no copy: the managers give it one.
     """
 
-    __slots__ = ("fk", "nbytes", "parent", "tokens", "hits", "mass",
+    __slots__ = ("fk", "nbytes", "parent", "tokens", "tenant", "hits", "mass",
                  "host_off", "leases", "writing", "loading", "load_failed", "pin",
                  "gpu_off", "gpu_leases", "gpu_loading", "draining", "on_disk", "disk_bytes", "on_remote")
 
-    def __init__(self, fk: bytes, nbytes: int, parent: bytes | None = None, tokens: bytes | None = None) -> None:
+    def __init__(self, fk: bytes, nbytes: int, parent: bytes | None = None, tokens: bytes | None = None,
+                 tenant: str | None = None) -> None:
         self.fk = fk                      # fingerprint + key
         self.nbytes = nbytes              # raw bytes (the namespace's block size)
         self.parent = parent              # the previous block of the chain it was stored in (tails go first)
         self.tokens = tokens              # the block's token ids (int32), when the store was told them
+        self.tenant = tenant              # the tenant that stored it (its quotas count it), when told
         self.hits = 0                     # uses since it was cached (leases, stores that found it)
         self.mass = 1.0                   # last attention mass a client reported (1.0 = uniform)
         # host: its slot, leases on the slot, host -> disk/remote stores in flight (they read the slot),
@@ -181,6 +184,33 @@ def validate_chains(chains: object, n: int) -> dict[int, bytes | None]:
         if parent is not None and (type(parent) is not bytes or not 0 < len(parent) <= MAX_KEY_BYTES):
             raise BadRequest(f"a chain's parent must be nil or a key of 1..{MAX_KEY_BYTES} bytes")
         out[pair[0]] = parent
+        last = pair[0]
+    return out
+
+
+MAX_TENANT = 256  # characters of a tenant's name
+
+
+def validate_tenants(tenants: object, n: int) -> dict[int, str | None]:
+    """Check a commit's ``tenants`` field: where the runs of its ``n`` keys stored for one tenant start,
+    pairs of an increasing index and the tenant (or nil: none). Missing: no tenant.
+
+    Raises:
+        BadRequest: not a list of such pairs.
+    """
+    if tenants is None:
+        return {}
+    if not isinstance(tenants, list) or len(tenants) > n:
+        raise BadRequest("tenants must be a list of [index, tenant] pairs, at most one a key")
+    out: dict[int, str | None] = {}
+    last = -1
+    for pair in tenants:
+        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int or not last < pair[0] < n:
+            raise BadRequest(f"tenants must be [index, tenant] pairs with increasing indexes below {n}")
+        t = pair[1]
+        if t is not None and (not isinstance(t, str) or not 0 < len(t) <= MAX_TENANT):
+            raise BadRequest(f"a tenant must be nil or a name of 1..{MAX_TENANT} characters")
+        out[pair[0]] = t
         last = pair[0]
     return out
 

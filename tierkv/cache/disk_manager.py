@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from tierkv.cache.block import Block
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.policy import Policy
+from tierkv.cache.quotas import Quotas
 from tierkv.cache.table import BlockTable
 from tierkv.cache.tier_changes import TierChanges
 from tierkv.core.errors import TierFull
@@ -39,11 +40,14 @@ class DiskManager:
         stored_size: the bytes a value of n bytes takes in the tier (its page rounding).
         changes: where copies gained and lost are reported.
         present: False when the daemon runs without a disk tier.
+        quotas: the tenants' quotas and use (the host manager's too).
     """
 
     def __init__(self, table: BlockTable, policy: Policy[bytes], settings: DiskConfig, capacity: Callable[[], int],
-                 stored_size: Callable[[int], int], changes: TierChanges, present: bool = True) -> None:
+                 stored_size: Callable[[int], int], changes: TierChanges, present: bool = True,
+                 quotas: Quotas | None = None) -> None:
         self.table, self.policy, self.settings = table, policy, settings
+        self.quotas = quotas if quotas is not None else Quotas()
         self.changes = changes
         self.present = present
         self.capacity = capacity
@@ -63,6 +67,7 @@ class DiskManager:
     def added(self, b: Block) -> None:
         """``b``'s value reached disk (its ``disk_bytes`` set): counted and known to the policy."""
         self.used += self.stored_size(b.disk_bytes)
+        self.quotas.add(b.tenant, "disk", self.stored_size(b.disk_bytes))
         self.stats.bytes_logical += b.nbytes
         self.stats.bytes_stored += b.disk_bytes
         self.policy.on_insert(b.fk, self.stored_size(b.disk_bytes), b.parent)
@@ -70,6 +75,7 @@ class DiskManager:
     def removed(self, b: Block) -> None:
         """``b``'s value is gone from disk (or about to be deleted)."""
         self.used -= self.stored_size(b.disk_bytes)
+        self.quotas.add(b.tenant, "disk", -self.stored_size(b.disk_bytes))
         self.stats.bytes_logical -= b.nbytes
         self.stats.bytes_stored -= b.disk_bytes
         self.policy.on_remove(b.fk)
@@ -91,9 +97,10 @@ class DiskManager:
         self.settings = settings
 
     def protected(self, fk: bytes) -> bool:
-        """A value being read into the host tier stays."""
+        """A value being read into the host tier stays, and so do the values of a tenant holding no more
+        than its disk quota."""
         b = self.table.get(fk)
-        return b is None or b.loading is not None
+        return b is None or b.loading is not None or self.quotas.shielded(b.tenant, "disk")
 
     def needed(self, fk: bytes) -> bool:
         """Besides :meth:`protected`: the prefix of a block host memory holds stays (dropped, it would
@@ -107,10 +114,12 @@ class DiskManager:
         Raises:
             TierFull: nothing can be dropped.
         """
+        # tenants over their disk quota give up their own values first
+        own = self._drop([fk for t, n in self.quotas.excess("disk").items() for fk in self._own(t, n)])
         cap, used = self.capacity(), self.used + self.reserved
         limit = self.settings.high_watermark * cap
         if used + incoming <= limit:
-            return []
+            return own
         target, least = used + incoming - self.settings.low_watermark * cap, used + incoming - limit
         victims = None
         for keep in (self.needed, self.protected):
@@ -118,7 +127,19 @@ class DiskManager:
             if victims is not None:
                 break
         if victims is None:
+            if own:
+                return own
             raise TierFull("disk tier is full and nothing can be dropped")
+        return own + self._drop(list(victims))
+
+    def _own(self, tenant: str, nbytes: int) -> list[bytes]:
+        def other(fk: bytes) -> bool:
+            b = self.table.blocks[fk]
+            return b.loading is not None or b.tenant != tenant
+        return self.policy.victims(nbytes, other) or []
+
+    def _drop(self, victims: list[bytes]) -> list[bytes]:
+        """Remove ``victims`` from the tier's accounts (the write deletes them); forget those no tier holds."""
         for fk in victims:
             b = self.table.blocks[fk]
             self.removed(b)

@@ -22,6 +22,7 @@ from tierkv.cache.block import Block, LoadSignal
 from tierkv.cache.counters import TierCounters
 from tierkv.cache.disk_manager import DiskManager
 from tierkv.cache.policy import Policy
+from tierkv.cache.quotas import Quotas
 from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
 from tierkv.cache.tier_changes import TierChanges
@@ -48,12 +49,14 @@ class HostManager:
             replaces them (:meth:`configure`).
         writer_idle: whether the disk writer has no backlog (spare bandwidth).
         changes: where copies gained and lost are reported.
+        quotas: the tenants' quotas and use (the disk manager's too).
     """
 
     def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy[bytes], disk: DiskManager,
                  reuse: ReuseModel, admission: Admission, settings: tuple[HostConfig, DiskConfig],
-                 writer_idle: Callable[[], bool], changes: TierChanges) -> None:
+                 writer_idle: Callable[[], bool], changes: TierChanges, quotas: Quotas | None = None) -> None:
         self.table, self.pool, self.policy, self.disk = table, pool, policy, disk
+        self.quotas = quotas if quotas is not None else Quotas()
         self.reuse, self.admission = reuse, admission
         self.host_cfg, self.disk_cfg = settings
         self.writer_idle = writer_idle
@@ -109,6 +112,7 @@ class HostManager:
         """``b`` gets host slot ``off`` (filled next: by a load, a drain or the client's bytes)."""
         assert b.host_off is None
         b.host_off = off
+        self.quotas.add(b.tenant, "host", self.pool.slot_size_at(off))
         self.changes.gained(b, "host")
 
     def inserted(self, b: Block, parent: bytes | None = _CHAIN) -> None:
@@ -168,8 +172,7 @@ class HostManager:
         """Give back the slot of a load that failed (or never started); the block is never served from it."""
         assert b.host_off is not None
         b.load_failed = True
-        self.pool.free(b.host_off)
-        b.host_off = None
+        self._free(b)
         self.changes.lost(b, "host")
 
     def drop(self, b: Block) -> None:
@@ -177,9 +180,7 @@ class HostManager:
         assert b.host_off is not None
         self.reuse.left(b.fk, time.monotonic(), len(self.policy))
         self.policy.on_remove(b.fk)
-        self.pool.free(b.host_off)
-        b.host_off = None
-        self.changes.lost(b, "host")
+        self._free(b)
         self.stats.evictions += 1
         if b.on_disk:
             self.stats.demotions += 1
@@ -190,9 +191,14 @@ class HostManager:
         """A client deleted ``b``: its host slot goes (not an eviction)."""
         if b.host_off is not None:
             self.policy.on_remove(b.fk)
-            self.pool.free(b.host_off)
-            b.host_off = None
-            self.changes.lost(b, "host")
+            self._free(b)
+
+    def _free(self, b: Block) -> None:
+        assert b.host_off is not None
+        self.quotas.add(b.tenant, "host", -self.pool.slot_size_at(b.host_off))
+        self.pool.free(b.host_off)
+        b.host_off = None
+        self.changes.lost(b, "host")
 
     # ---- readers of the slot ----------------------------------------------------------------------
     def lease(self, b: Block) -> None:
@@ -216,6 +222,7 @@ class HostManager:
     def served(self, b: Block) -> None:
         """``b`` is leased to a client from its host slot: a hit, its bytes read out of the tier."""
         self.stats.hit(b.nbytes)
+        self.quotas.hit(b.tenant)
 
     def missed(self) -> None:
         """A block a fetch asked for was not in host memory."""
@@ -265,15 +272,28 @@ class HostManager:
         return self.policy.has_children(fk)
 
     def protected(self, fk: bytes) -> bool:
-        """The slot is in use (leased, read by a transfer, being filled or pinned)."""
-        return self.table.blocks[fk].protected
+        """The slot stays: in use (leased, read by a transfer, being filled or pinned), or its tenant holds
+        no more than its quota here."""
+        b = self.table.blocks[fk]
+        return b.protected or self.quotas.shielded(b.tenant, "host")
 
     def protected_clean(self, fk: bytes) -> bool:
-        """A store making room skips this block: in use, or dirty and worth writing first (write-behind
-        cleans such blocks ahead, so a burst that fits the clean part of the tier does not wait)."""
+        """A store making room skips this block: it stays (:meth:`protected`), or it is dirty and worth
+        writing first (write-behind cleans such blocks ahead, so a burst that fits the clean part of the
+        tier does not wait)."""
         b = self.table.blocks[fk]
-        return b.protected or (not b.on_disk and self.disk.present
-                               and self.worth_writing(b, self.disk_cfg.admission))
+        return b.protected or self.quotas.shielded(b.tenant, "host") or (
+            not b.on_disk and self.disk.present and self.worth_writing(b, self.disk_cfg.admission))
+
+    def own_victims(self, tenant: str, nbytes: int) -> list[bytes]:
+        """About ``nbytes`` of ``tenant``'s own blocks not in use, in the policy's order (a tenant over its
+        quota gives these up first)."""
+        blocks = self.table.blocks
+
+        def other(fk: bytes) -> bool:
+            b = blocks[fk]
+            return b.protected or b.tenant != tenant
+        return self.policy.victims(nbytes, other) or self.policy.victims(self.pool.slab_bytes, other) or []
 
     def evictable_exists(self) -> bool:
         """Whether waiting can help: some block is held by neither a client nor a pin (blocks being

@@ -41,10 +41,13 @@ class HostOutflow:
                          spare=predicted and h.writer_idle(), size=h.disk.estimate(b.nbytes) if predicted else 1)
 
     def demotion(self, force: bool) -> list[Block]:
-        """Between the watermarks (or when forced): drop clean victims at once; returns the dirty
-        victims to write to disk first."""
+        """Tenants over their host quota first, else between the watermarks (or when forced): drop clean
+        victims at once; returns the dirty victims to write to disk first."""
         h = self.host
         used, cap = h.pool.used_bytes, h.limit
+        own = [fk for t, n in h.quotas.excess("host").items() for fk in h.own_victims(t, n)]
+        if own:  # tenants over their quota give up their own blocks first
+            return self._take(own)
         if used <= h.host_cfg.high_watermark * cap and not force:
             return []
         want = max(int(used - h.host_cfg.low_watermark * cap), h.pool.slab_bytes if force else 0)
@@ -55,6 +58,11 @@ class HostOutflow:
             while n > 0 and not victims:  # take what we can: walk down until something is possible
                 n //= 2
                 victims = h.policy.victims(n, h.protected) or []
+        return self._take(victims)
+
+    def _take(self, victims: list[bytes]) -> list[Block]:
+        """Drop the clean ``victims`` (and those the disk does not admit); returns the dirty ones to write."""
+        h = self.host
         dirty = []
         for fk in victims:
             b = h.table.blocks[fk]

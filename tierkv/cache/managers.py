@@ -16,6 +16,7 @@ from tierkv.cache.disk_manager import DiskManager
 from tierkv.cache.gpu_manager import GpuManager
 from tierkv.cache.host_manager import HostManager
 from tierkv.cache.host_outflow import HostOutflow
+from tierkv.cache.quotas import Quotas
 from tierkv.cache.remote_manager import RemoteManager
 from tierkv.cache.table import BlockTable
 from tierkv.cache.tier_changes import TierChanges
@@ -37,6 +38,7 @@ class TierManagers:
     remote: RemoteManager
     outflow: HostOutflow
     changes: TierChanges
+    quotas: Quotas
 
     def end_leases(self, leases: Iterable[Lease]) -> None:
         """Each lease's blocks are read no more in the tier it pinned them in."""

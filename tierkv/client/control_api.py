@@ -41,6 +41,15 @@ class ControlClient:
         """Health, the namespaces engines registered (model, identity, layout, TP rank, blocks) and pins."""
         return self._call("GET", "status", None)
 
+    def tenants(self) -> dict[str, Any]:
+        """Per tenant: bytes used and quota per tier (``host``, ``disk``), and the blocks fetches served it."""
+        return self._call("GET", "tenants", None)
+
+    def set_quota(self, tenant: str, **tiers: int | None) -> dict[str, Any]:
+        """Set ``tenant``'s quota in bytes per tier (``host=``, ``disk=``; None: no quota there); returns
+        its use and quotas."""
+        return self._call("POST", "quotas", {"tenant": tenant, **tiers})
+
     def pin(self, model: str, tokens: Sequence[int], salt: str | None = None, identity: str | None = None,
             priority: int = 80) -> dict[str, Any]:
         """Keep the cached prefix of ``tokens`` in host memory until unpinned: ``pinned`` blocks (of every

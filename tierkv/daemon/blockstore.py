@@ -16,6 +16,7 @@ from tierkv.cache.host_manager import HostManager
 from tierkv.cache.host_outflow import HostOutflow
 from tierkv.cache.managers import TierManagers
 from tierkv.cache.policy import make_policy as _lru
+from tierkv.cache.quotas import Quotas
 from tierkv.cache.remote_manager import RemoteManager
 from tierkv.cache.reuse import History
 from tierkv.cache.store_gate import StoreGate
@@ -89,18 +90,18 @@ class BlockStore:
 
     def _managers(self, cfg: Config, table: BlockTable) -> TierManagers:
         """A manager per tier (one whose tier is off says so), and the host tier's outflow to disk."""
-        changes = TierChanges()
+        changes, quotas = TierChanges(), Quotas()
         disk = self.disk
         diskm = DiskManager(table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg.disk,
                             lambda: disk.capacity if disk is not None else 0, stored_size, changes,
-                            present=disk is not None)
+                            present=disk is not None, quotas=quotas)
         hostm = HostManager(table, self.host, make_host_policy(cfg, self.history, self.host_reuse), diskm,
                             self.host_reuse, self.admission, (cfg.host, cfg.disk),
-                            lambda: self.engine.store_backlog() == 0, changes)
+                            lambda: self.engine.store_backlog() == 0, changes, quotas)
         diskm.needed_above = hostm.holds_children
         gpum = GpuManager(table, self._attach_gpu(), _lru("lru"), diskm, changes)
         return TierManagers(table, gpum, hostm, diskm, RemoteManager(changes, self.remote is not None),
-                            HostOutflow(hostm, self.admission), changes)
+                            HostOutflow(hostm, self.admission), changes, quotas)
 
     def _cpu_share(self, cfg: Config) -> CpuShare:
         """The share of the cores demotions and write-behind take while the engine keeps them busy (as

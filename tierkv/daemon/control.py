@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tierkv.cache.block import Session
+from tierkv.cache.block import MAX_TENANT, Session
 from tierkv.core.errors import BadRequest, TierFull, TierKVError
 from tierkv.core.keys import Namespace, chain_keys, salt_root
 from tierkv.daemon.blockstore import BlockStore
@@ -61,7 +61,7 @@ class Control:
     def __init__(self, store: BlockStore, token: str | None) -> None:
         self.store, self.token = store, token
         self._ops: dict[str, Callable[[dict], dict]] = {
-            "pin": self.pin, "unpin": self.unpin, "warm": self.warm, "delete": self.delete}
+            "pin": self.pin, "unpin": self.unpin, "warm": self.warm, "delete": self.delete, "quotas": self.quota}
 
     def handle(self, method: str, path: str, auth: str | None, body: bytes) -> tuple[int, dict]:
         """(HTTP status, JSON body) of one request to ``/v1/<op>``."""
@@ -69,9 +69,11 @@ class Control:
         try:
             if op == "status" and method == "GET":
                 return 200, self.status()
+            if op == "tenants" and method == "GET":
+                return 200, self.tenants()
             if op not in self._ops or method != "POST":
-                return 404, {"error": f"no {method} {path} (GET /v1/status; POST /v1/pin, /v1/unpin, "
-                                      "/v1/warm, /v1/delete)"}
+                return 404, {"error": f"no {method} {path} (GET /v1/status, /v1/tenants; POST /v1/pin, "
+                                      "/v1/unpin, /v1/warm, /v1/delete, /v1/quotas)"}
             denied = self._denied(auth)
             if denied is not None:
                 return denied
@@ -111,6 +113,31 @@ class Control:
             pinned_bytes = st.hostm.pinned_bytes
         return {"health": st.snapshots.health() or "ok", "namespaces": namespaces,
                 "pins": {"blocks": pinned, "bytes": pinned_bytes}}
+
+    def tenants(self) -> dict:
+        """Per tenant: bytes used and quota per tier, and the blocks fetches served it."""
+        with self.store.ctx.lock:
+            return {"tenants": self.store.m.quotas.snapshot()}
+
+    def quota(self, req: dict) -> dict:
+        """Set a tenant's quota per tier (``host``, ``disk``: bytes, or null for none); the tiers not named
+        keep theirs. A tenant over its new quota gives up its own blocks first (the evictor runs now)."""
+        tenant = req.get("tenant")
+        if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT:
+            raise BadRequest(f"tenant must be a name of 1..{MAX_TENANT} characters (the requests' cache_salt)")
+        tiers = {k: v for k, v in req.items() if k != "tenant"}
+        if not tiers or not set(tiers) <= {"host", "disk"}:
+            raise BadRequest("name a quota for host and/or disk, in bytes (null: none)")
+        for tier, limit in tiers.items():
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+                raise BadRequest(f"{tier}: a quota is bytes >= 0 or null, got {limit!r}")
+        st = self.store
+        with st.ctx.lock:
+            for tier, limit in tiers.items():
+                st.m.quotas.set(tenant, tier, limit)
+            out = st.m.quotas.snapshot()[tenant]
+        st.ctx.kick()
+        return {"tenant": tenant, **out}
 
     def pin(self, req: dict) -> dict:
         """Keep the prefix in host memory (loading it from disk or the remote tier) until unpinned."""

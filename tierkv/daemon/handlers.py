@@ -11,7 +11,7 @@ import socket
 from typing import Any, Protocol
 
 from tierkv.cache import tuning
-from tierkv.cache.block import Session, validate_chains, validate_keys, validate_tokens
+from tierkv.cache.block import Session, validate_chains, validate_keys, validate_tenants, validate_tokens
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -111,7 +111,8 @@ class Handlers:
         if gpu is not None:
             return {"new": gpu.commit(s, ns, keys, slots, durable, remote, tokens, uses)}
         return {"new": st.store_path.commit(s, ns, keys, slots, durable, _flag(body, "wait", True),
-                                            validate_chains(body.get("chains"), len(keys)), remote, tokens, uses)}
+                                            validate_chains(body.get("chains"), len(keys)), remote, tokens, uses,
+                                            validate_tenants(body.get("tenants"), len(keys)))}
 
     def sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Wait for this connection's queued durable writes."""

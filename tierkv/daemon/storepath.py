@@ -64,7 +64,8 @@ class StorePath:
     # ---- commit -----------------------------------------------------------------------------------
     def commit(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
                wait: bool, chains: dict[int, bytes | None] | None, remote: bool,
-               tokens: list[bytes] | None, uses: list[bytes] | None = None) -> int:
+               tokens: list[bytes] | None, uses: list[bytes] | None = None,
+               tenants: dict[int, str | None] | None = None) -> int:
         """Publish written host slots under ``keys``; returns how many were new (the rest
         deduplicated). ``keys`` are prefix chains, each key the child of the one before except at the
         indexes of ``chains``, where a chain continues the key given (None: starts one; default
@@ -73,9 +74,11 @@ class StorePath:
         this write). ``remote``: every block is written through, admitted or not, before the return
         (if writable). ``tokens``: each block's token ids (int32), kept for KV events when they are on.
         ``uses``: cached blocks the client skipped rather than write again; each still cached counts as
-        a use, as a deduplicated block does, before the new blocks are published."""
+        a use, as a deduplicated block does, before the new blocks are published. ``tenants``: where runs
+        of new blocks of one tenant start (index: tenant), whose quotas count them."""
         check_commit(keys, offsets, durable, self.disk_on)
-        return self._commit_host(s, ns, keys, offsets, durable, wait, chains or {0: None}, remote, tokens, uses)
+        return self._commit_host(s, ns, keys, offsets, durable, wait, chains or {0: None}, remote, tokens, uses,
+                                 tenants or {})
 
     def _use(self, s: Session, uses: list[bytes] | None) -> list[Block]:
         """Count a use of each cached block of ``uses`` (one gone since is a later miss); returns the
@@ -87,7 +90,7 @@ class StorePath:
 
     def _commit_host(self, s: Session, ns: Namespace, keys: list[bytes], offsets: list[int], durable: bool,
                      wait: bool, chains: dict[int, bytes | None], remote: bool,
-                     tokens: list[bytes] | None, uses: list[bytes] | None) -> int:
+                     tokens: list[bytes] | None, uses: list[bytes] | None, tenants: dict[int, str | None]) -> int:
         """Publish written host slots under ``keys``, prefix chains starting at the indexes of ``chains``."""
         fks = [s.fp + k for k in keys]
         remote = remote and self.transfers.remote_writable()
@@ -95,7 +98,7 @@ class StorePath:
             check_slots(offsets, s.slots, "slot")
             used = self._use(s, uses)
             starts = {i: None if p is None else s.fp + p for i, p in chains.items()}
-            new, committed = self._publish_host(s, ns, fks, offsets, starts, tokens)
+            new, committed = self._publish_host(s, ns, fks, offsets, starts, tokens, tenants)
             self.signals.computed(new)
             # the producer side of PD across nodes: the prefix its blocks continue, and the cached blocks
             # it skipped, go to the remote too (each block once)
@@ -114,21 +117,23 @@ class StorePath:
         return len(new)
 
     def _publish_host(self, s: Session, ns: Namespace, fks: list[bytes], offsets: list[int],
-                      starts: dict[int, bytes | None],
-                      tokens: list[bytes] | None) -> tuple[list[Block], list[Block]]:
+                      starts: dict[int, bytes | None], tokens: list[bytes] | None,
+                      tenants: dict[int, str | None]) -> tuple[list[Block], list[Block]]:
         """Records for committed host slots, chains starting at ``starts`` (index: parent): (new
         blocks, every committed block). Lock held."""
         table, hp = self.table, self.hostm
         new: list[Block] = []
         committed: list[Block] = []
         parent: bytes | None = None
+        tenant: str | None = None
         for i, (fk, off) in enumerate(zip(fks, offsets)):
             if i in starts:
                 parent = starts[i]
+            tenant = tenants.get(i, tenant)
             del s.slots[off]
             b = table.get(fk)
             if b is None:
-                b = table.add(Block(fk, ns.layout.block_bytes, parent, tokens[i] if tokens else None))
+                b = table.add(Block(fk, ns.layout.block_bytes, parent, tokens[i] if tokens else None, tenant))
                 hp.committed(b, off, parent)
                 new.append(b)
             elif b.host_off is None and b.loading is None:
