@@ -233,6 +233,10 @@ def test_a_tenant_under_its_quota_keeps_its_blocks_through_another_tenants_flood
             assert "host" not in tiers, "without a quota the flood evicts a's blocks"
         used = _call(port, "GET", "tenants")[1]["tenants"]
         assert used["a"]["used"]["host"] == (16 * 8192 if quota else 0)
+        from tests.daemon.test_metrics import scrape
+        m = scrape(port)
+        assert m[("tierkv_tenant_used_bytes", (("tenant", "a"), ("tier", "host")))] == used["a"]["used"]["host"]
+        assert (("tierkv_tenant_quota_bytes", (("tenant", "a"), ("tier", "host"))) in m) == quota
         assert c.get(keys).shape[0] == 16
 
 

@@ -85,6 +85,7 @@ class StatsCollector(Collector):
         yield from _link_metrics(st["transfer"], st["tiers"].get("remote"))
         yield from _daemon_metrics(st)
         yield from _namespace_metrics(st.get("namespaces", {}))
+        yield from _tenant_metrics(st.get("tenants", {}))
         remote = st["tiers"].get("remote")
         if remote is not None:
             g = GaugeMetricFamily("tierkv_remote_breaker_state", "Remote tier circuit breaker: 1 for the "
@@ -183,6 +184,23 @@ def _namespace_metrics(namespaces: dict[str, dict]) -> Iterator[Metric]:
     yield blocks
     yield hits
     yield misses
+
+
+def _tenant_metrics(tenants: dict[str, dict]) -> Iterator[Metric]:
+    used = GaugeMetricFamily("tierkv_tenant_used_bytes", "Bytes a tenant's blocks take in a tier.",
+                             labels=["tenant", "tier"])
+    quota = GaugeMetricFamily("tierkv_tenant_quota_bytes", "A tenant's quota in a tier (absent: none).",
+                              labels=["tenant", "tier"])
+    hits = CounterMetricFamily("tierkv_tenant_hits", "A tenant's blocks served to fetches.", labels=["tenant"])
+    for name, d in tenants.items():
+        for tier, n in d["used"].items():
+            used.add_metric([name, tier], n)
+            if d["quota"].get(tier) is not None:
+                quota.add_metric([name, tier], d["quota"][tier])
+        hits.add_metric([name], d["hits"])
+    yield used
+    yield quota
+    yield hits
 
 
 class Metrics:

@@ -301,6 +301,7 @@ class Server:
             "transfer": st["transfer"],
             "events": st["events"],
             "store_gate": gate,
+            "tenants": st["tenants"],
         }
 
     def memory_figures(self) -> dict[str, int]:

@@ -63,6 +63,7 @@ class Snapshots:
                 "tiers": tiers,
                 "namespaces": namespaces,
                 "events": self.events.stats.to_dict() if self.events is not None else None,
+                "tenants": self.m.quotas.snapshot(),
                 "transfer": {"inflight": e.book.inflight, "bytes": dict(e.book.link_bytes),
                              "seconds": {k: round(v, 4) for k, v in e.book.link_seconds.items()},
                              "links": {k: v.to_dict() for k, v in e.budgets.stats().items()},
