@@ -263,3 +263,28 @@ def test_a_tenant_over_its_quota_gives_up_its_own_blocks(control):
             status, reply = _call(port, "POST", "quotas", body)
             assert status == 400 and needle in reply["error"], (body, reply)
         assert _call(port, "POST", "quotas", {"tenant": "b", "host": 1}, token=None)[0] == 401
+
+
+def test_a_pinned_prefix_is_pinned_in_host_memory_again_after_a_restart(control):
+    """The pin makes the blocks durable and is kept in the data directory: after a restart the prefix is
+    loaded into host memory and pinned before any engine connects (the control API knows its model),
+    and outlives a flood again."""
+    from tests.helpers import wait_for
+
+    port = control.port
+    tokens = _prompt(30, 4)
+    with control.client(model="ctl-a") as c:
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(4, seed=30))
+        assert _call(port, "POST", "pin", {"model": "ctl-a", "tokens": tokens, "priority": 90})[1]["pinned"] == 4
+        assert wait_for(lambda: c.stats()["tiers"]["disk"]["blocks"] >= 4), "a pin writes its blocks to disk"
+    control.restart()
+    status = _call(port, "GET", "status")[1]
+    assert [ns["model"] for ns in status["namespaces"]] == ["ctl-a"] and status["pins"]["blocks"] == 4
+    with control.client(model="ctl-a") as c:
+        assert c.lookup_tiers(keys) == ["host"] * 4
+        _flood(c, 512, seed=600)
+        assert c.lookup_tiers(keys) == ["host"] * 4
+        assert _call(port, "POST", "unpin", {"model": "ctl-a", "tokens": tokens}) == (200, {"unpinned": 4})
+    control.restart()
+    assert _call(port, "GET", "status")[1]["pins"]["blocks"] == 0, "an unpin is kept too"

@@ -87,6 +87,7 @@ class BlockStore:
         if self.events is not None:
             self.events.start()
         self.evictor.start()
+        self.retention.restore()
 
     def _managers(self, cfg: Config, table: BlockTable) -> TierManagers:
         """A manager per tier (one whose tier is off says so), and the host tier's outflow to disk."""
@@ -133,7 +134,7 @@ class BlockStore:
         self.signals = Signals(ctx, m, (self.host_reuse, self.admission), self.gate, self.cost)
         self.store_path = StorePath(ctx, m, self.slots, tr, self.signals)
         self.fetch_path = FetchPath(ctx, m, self.slots, tr)
-        self.retention = Retention(ctx, m, tr, self.fetch_path)
+        self.retention = Retention(ctx, m, tr, self.fetch_path, self.data_dir if m.disk.present else None)
         self.sessions = Sessions(ctx, m, self.host, self.gpu)
         self.tuner = Tuner(ctx, m, tr, (self.history, self.host_reuse, self.admission), self.gate)
         self.events = open_events(ctx.cfg.events, m.table, m.changes, ctx.lock,

@@ -1,25 +1,34 @@
 """Retention a client asks for: pinned prefixes (kept in host memory until unpinned, outliving the
-connection), windows (a live sequence fitted into a host budget, the rest demoted to disk) and
+connection and, with a disk tier, the daemon: :mod:`tierkv.daemon.pins`), windows (a live sequence fitted into a host budget, the rest demoted to disk) and
 deletes (blocks dropped from every tier)."""
 
 from __future__ import annotations
+
+import logging
+import time
 
 from tierkv.cache.block import Block, Session
 from tierkv.cache.managers import TierManagers
 from tierkv.cache.windows import window_out
 from tierkv.core.errors import BadRequest, TierFull
+from tierkv.core.keys import FINGERPRINT_BYTES
+from tierkv.daemon import pins
 from tierkv.daemon.context import Context
 from tierkv.daemon.fetchpath import FetchPath
 from tierkv.daemon.sessions import namespace
 from tierkv.daemon.tier_jobs import TierJobs
 
+log = logging.getLogger("tierkv.daemon.pins")
+
 
 class Retention:
     """Pins, windows and deletes."""
 
-    def __init__(self, ctx: Context, m: TierManagers, transfers: TierJobs, fetch: FetchPath) -> None:
-        """The managers it sequences, the tier jobs it starts (writes and deletes on disk) and the fetch
-        path a pin leases its prefix through."""
+    def __init__(self, ctx: Context, m: TierManagers, transfers: TierJobs, fetch: FetchPath,
+                 pins_dir: str | None) -> None:
+        """The managers it sequences, the tier jobs it starts (writes and deletes on disk), the fetch
+        path a pin leases its prefix through, and the folder pins are kept in across restarts (None:
+        not kept: no disk tier)."""
         self.ctx = ctx
         self.m = m
         self.table = m.table
@@ -28,6 +37,7 @@ class Retention:
         self.disk = transfers.disk
         self.transfers = transfers
         self.fetch = fetch
+        self.pins_dir = pins_dir
 
     def pin_prefix(self, s: Session, keys: list[bytes], priority: int) -> int:
         """Keep ``keys`` in the host tier (promoting from disk) until unpinned; returns blocks pinned.
@@ -53,7 +63,45 @@ class Retention:
             for b in lease.blocks:
                 hp.pin(b, priority)
             self._release(s, lease_id)
+            self._keep_pins([b for b in lease.blocks if not b.on_disk])
             return len(lease.blocks)
+
+    def _keep_pins(self, dirty: list[Block] | None = None) -> None:
+        """Pins changed: keep them for the next start, and write the pinned blocks not on disk yet there
+        (in the background). Lock held."""
+        if self.pins_dir is None:
+            return
+        pins.save(self.table, self.pins_dir)
+        if dirty:
+            self.transfers.store(dirty, background=True)
+
+    def restore(self) -> int:
+        """Pin again what the previous run kept pinned and is still on disk (loaded into host memory),
+        under its namespaces, registered now; returns blocks pinned. At start-up, before any request."""
+        if self.pins_dir is None:
+            return 0
+        spaces, kept = pins.load(self.pins_dir)
+        n = 0
+        for i, (fk, priority) in enumerate(kept):
+            ns = spaces.get(fk[:FINGERPRINT_BYTES])
+            if ns is None or fk not in self.table:
+                continue
+            s = Session(-1 - i)
+            with self.ctx.lock:
+                self.table.bind(s, ns)
+            try:
+                n += self.pin_prefix(s, [fk[FINGERPRINT_BYTES:]], priority)
+            except TierFull as exc:
+                log.warning("pins: %d of %d restored: %s", n, len(kept), exc)
+                break
+            finally:
+                with self.ctx.lock:
+                    self.m.end_leases(self.table.drop_leases(s))
+                    self.table.unbind(s)
+        with self.ctx.lock:
+            for fp, ns in spaces.items():  # the control API names them before an engine connects
+                self.table.namespaces.setdefault(fp, ns)
+        return n
 
     def _release(self, s: Session, lease_id: int) -> None:
         self.m.end_leases(self.table.release(s, [lease_id]))
@@ -68,6 +116,8 @@ class Retention:
                 b = self.table.get(s.fp + k)
                 if b is not None and self.hostm.unpin(b):
                     n += 1
+            if n:
+                self._keep_pins()
             self.ctx.notify()
         return n
 
@@ -123,10 +173,16 @@ class Retention:
         with self.ctx.lock:
             blocks = ([b for k in keys if (b := self.table.get(s.fp + k)) is not None] if keys is not None
                       else [b for b in self.table.records() if b.fk.startswith(s.fp)])
+            unpinned = False
             for b in blocks:
                 if force:
-                    self.hostm.unpin(b)
-                if b.busy:
+                    unpinned = self.hostm.unpin(b) or unpinned
+            # a write out of a block's slot (write-behind, a pin made durable) ends soon: wait for it
+            deadline = time.monotonic() + self.ctx.cfg.server.commit_wait_s
+            while any(b.writing and b.fk in self.table for b in blocks) and self.ctx.wait_until(deadline):
+                pass
+            for b in blocks:
+                if b.busy or b.fk not in self.table:
                     continue
                 held = set(b.held())
                 if "remote" in tiers and b.on_remote:
@@ -135,6 +191,8 @@ class Retention:
                 if self.m.delete(b, tiers):
                     gone.append(b.fk)
                 n += bool(held - set(b.held()) or b.fk not in self.table)
+            if unpinned:
+                self._keep_pins()
             self.ctx.notify()
         if gone and self.disk is not None:
             self.disk.delete(gone)
