@@ -8,10 +8,14 @@ import pytest
 from tests.helpers import SMALL
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session, fetch_source, tier_of
-from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
+from tierkv.cache.disk_manager import DiskManager
+from tierkv.cache.gpu_manager import GpuManager
+from tierkv.cache.host_manager import HostManager
+from tierkv.cache.host_outflow import HostOutflow
 from tierkv.cache.policy import make_policy
 from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.table import BlockTable
+from tierkv.cache.tier_changes import TierChanges
 from tierkv.cache.windows import window_out
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace
@@ -32,6 +36,15 @@ def _key(i: int) -> bytes:
     return i.to_bytes(8, "little")
 
 
+def _rec(fk: bytes, nbytes: int, parent: bytes | None = None, **state: object) -> Block:
+    """A record in the given tier state, set directly: these tests start from states the managers'
+    transitions reach, without running them."""
+    b = Block(fk, nbytes, parent)
+    for name, value in state.items():
+        setattr(b, name, value)
+    return b
+
+
 def _cfg(admission: str = "all") -> Config:
     cfg = Config()
     cfg.disk.admission = admission
@@ -45,23 +58,26 @@ class _Tiers:
         cfg = _cfg(admission)
         self.table = BlockTable()
         self.pool = SlabAllocator(32 * SLOT, 8 * SLOT)
-        self.disk = DiskPlacement(self.table, make_policy("lru"), cfg, lambda: disk_cap, stored_size)
-        self.host = HostPlacement(self.table, self.pool, make_policy("lru"), self.disk, True, ReuseModel(),
-                                  Admission(admission), cfg, lambda: True)
+        changes = TierChanges()
+        self.disk = DiskManager(self.table, make_policy("lru"), cfg.disk, lambda: disk_cap, stored_size, changes)
+        admission_rule = Admission(admission)
+        self.host = HostManager(self.table, self.pool, make_policy("lru"), self.disk, ReuseModel(), admission_rule,
+                                (cfg.host, cfg.disk), lambda: True, changes)
+        self.outflow = HostOutflow(self.host, admission_rule)
 
     def put(self, i: int, on_disk: bool = False) -> Block:
-        b = self.table.add(Block(_fk(i), SLOT, host_off=self.pool.alloc(SLOT)))
+        b = self.table.add(_rec(_fk(i), SLOT))
+        self.host.assign(b, self.pool.alloc(SLOT))
         self.host.inserted(b)
         if on_disk:
-            b.on_disk, b.disk_bytes = True, SLOT
-            self.disk.added(b)
+            self.disk.complete_store(b, SLOT)
         return b
 
 
 def test_table_counts_blocks_per_namespace_and_finds_prefixes():
     t = BlockTable()
     for i in range(3):
-        t.add(Block(_fk(i), SLOT, host_off=i * SLOT))
+        t.add(_rec(_fk(i), SLOT, host_off=i * SLOT))
     assert t.ns_blocks[FP] == 3 and len(t) == 3
     keys = [_key(0), _key(1), _key(9), _key(2)]
     assert [b.fk for b in t.prefix(FP, keys)] == [_fk(0), _fk(1)]
@@ -82,7 +98,7 @@ def test_namespaces_bind_once_and_are_forgotten_when_empty():
     with pytest.raises(BadRequest, match="another namespace"):
         t.bind(a, Namespace("other", SMALL))
     t.bind(b, NS)
-    t.add(Block(_fk(0), SLOT, host_off=0))
+    t.add(_rec(_fk(0), SLOT, host_off=0))
     t.unbind(a)
     t.unbind(b)
     assert FP in t.namespaces, "a namespace holding blocks stays"
@@ -96,7 +112,7 @@ def test_namespaces_bind_once_and_are_forgotten_when_empty():
 def test_tickets_become_leases_and_release_checks_ids():
     t = BlockTable()
     s = Session(1)
-    blocks = [t.add(Block(_fk(i), SLOT, host_off=0, leases=1)) for i in range(2)]
+    blocks = [t.add(_rec(_fk(i), SLOT, host_off=0, leases=1)) for i in range(2)]
     ticket = t.open_ticket(s, blocks, ["host", "host"], "host")
     with pytest.raises(BadRequest, match="ticket"):
         t.take_ticket(s, ticket + 1)
@@ -106,18 +122,19 @@ def test_tickets_become_leases_and_release_checks_ids():
         t.release(s, [lease.id, lease.id])
     with pytest.raises(BadRequest, match="not held"):
         t.release(s, [lease.id + 1])
-    assert all(b.leases == 1 for b in blocks), "a refused release changes nothing"
-    t.release(s, [lease.id])
-    assert all(b.leases == 0 for b in blocks) and not s.leases
-    again = [t.add(Block(_fk(5), SLOT, host_off=0, gpu_off=0, leases=1, gpu_leases=1))]
+    assert list(s.leases) == [lease.id], "a refused release changes nothing"
+    ended = t.release(s, [lease.id])
+    assert [x.blocks for x in ended] == [blocks] and not s.leases  # the tier managers end the blocks' leases
+    again = [t.add(_rec(_fk(5), SLOT, host_off=0, gpu_off=0, leases=1, gpu_leases=1))]
     t.open_ticket(s, again, ["gpu"], "gpu")
     t.hold(s, 77, again, "host")
-    t.drop_leases(s)
-    assert again[0].leases == 0 and again[0].gpu_leases == 0
+    ended = t.drop_leases(s)
+    assert sorted((x.tier, x.blocks == again) for x in ended) == [("gpu", True), ("host", True)]
+    assert not s.leases and not s.tickets
 
 
 def test_tier_names_follow_the_copies():
-    b = Block(_fk(0), SLOT, on_disk=True)
+    b = _rec(_fk(0), SLOT, on_disk=True)
     assert tier_of(b) == "disk"
     b.host_off = 0
     assert tier_of(b) == "host" and fetch_source(b) == "host"
@@ -143,17 +160,16 @@ def test_host_eviction_takes_clean_blocks_and_skips_dirty_and_leased_ones():
 
 def test_demotion_drops_clean_victims_and_hands_back_dirty_ones():
     t = _Tiers()
-    t.host.cfg.host.high_watermark, t.host.cfg.host.low_watermark = 0.9, 0.5
+    t.host.host_cfg.high_watermark, t.host.host_cfg.low_watermark = 0.9, 0.5
     blocks = [t.put(i, on_disk=i % 2 == 0) for i in range(32)]
-    dirty = t.host.demotion(force=False)
+    dirty = t.outflow.demotion(force=False)
     assert dirty and all(not b.on_disk and b.host_off is not None for b in dirty)
     dropped = [b for b in blocks if b.host_off is None]
     assert all(b.on_disk for b in dropped)
     assert {b.fk for b in dropped + dirty} == {b.fk for b in blocks[:16]}, "the 16 least recent, down to low"
     for b in dirty:  # the write-back finished
-        b.on_disk, b.disk_bytes = True, SLOT
-        t.disk.added(b)
-    t.host.demoted(dirty)
+        t.disk.complete_store(b, SLOT)
+    t.outflow.demoted(dirty)
     assert all(b.host_off is None for b in dirty)
     assert t.pool.used_bytes <= 0.5 * t.pool.capacity + SLOT
 
@@ -167,10 +183,10 @@ def test_a_host_victim_on_no_other_tier_is_forgotten():
 
 def test_disk_room_drops_the_coldest_values_and_forgets_disk_only_blocks():
     t = _Tiers(disk_cap=10 * SLOT)
-    t.disk.cfg.disk.high_watermark, t.disk.cfg.disk.low_watermark = 0.9, 0.5
+    t.disk.settings.high_watermark, t.disk.settings.low_watermark = 0.9, 0.5
     blocks = []
     for i in range(8):
-        b = t.table.add(Block(_fk(i), SLOT, on_disk=True, disk_bytes=SLOT))
+        b = t.table.add(_rec(_fk(i), SLOT, on_disk=True, disk_bytes=SLOT))
         t.disk.added(b)
         blocks.append(b)
     blocks[0].loading = object()  # being read: protected
@@ -183,7 +199,7 @@ def test_disk_room_drops_the_coldest_values_and_forgets_disk_only_blocks():
 
 def test_disk_room_with_nothing_to_drop_is_tier_full():
     t = _Tiers(disk_cap=4 * SLOT)
-    b = t.table.add(Block(_fk(0), SLOT, on_disk=True, disk_bytes=4 * SLOT, loading=object()))
+    b = t.table.add(_rec(_fk(0), SLOT, on_disk=True, disk_bytes=4 * SLOT, loading=object()))
     t.disk.added(b)
     with pytest.raises(TierFull):
         t.disk.room(SLOT)
@@ -195,15 +211,16 @@ def test_disk_room_keeps_the_prefix_of_a_block_host_memory_holds():
     cfg, size = _cfg(), stored_size(SLOT)
     cfg.disk.high_watermark, cfg.disk.low_watermark = 0.9, 0.5
     table, pool = BlockTable(), SlabAllocator(32 * SLOT, 8 * SLOT)
-    disk = DiskPlacement(table, make_policy("attention"), cfg, lambda: 12 * size, stored_size)
-    host = HostPlacement(table, pool, make_policy("attention"), disk, True, ReuseModel(), Admission("all"), cfg,
-                         lambda: True)
+    changes = TierChanges()
+    disk = DiskManager(table, make_policy("attention"), cfg.disk, lambda: 12 * size, stored_size, changes)
+    host = HostManager(table, pool, make_policy("attention"), disk, ReuseModel(), Admission("all"),
+                       (cfg.host, cfg.disk), lambda: True, changes)
     disk.needed_above = host.holds_children
     for i in list(range(6)) + list(range(100, 104)):  # chain A's head and all of chain B on disk
-        b = table.add(Block(_fk(i), SLOT, on_disk=True, disk_bytes=SLOT, parent=_fk(i - 1) if i % 100 else None))
+        b = table.add(_rec(_fk(i), SLOT, on_disk=True, disk_bytes=SLOT, parent=_fk(i - 1) if i % 100 else None))
         disk.added(b)
     for i in (6, 7):  # chain A's tail only in host memory
-        host.inserted(table.add(Block(_fk(i), SLOT, host_off=pool.alloc(SLOT), parent=_fk(i - 1))))
+        host.inserted(table.add(_rec(_fk(i), SLOT, host_off=pool.alloc(SLOT), parent=_fk(i - 1))))
     assert disk.needed(_fk(5)) and not disk.needed(_fk(4)) and not disk.needed(_fk(103))
     gone = disk.room(2 * size)
     assert gone == [_fk(i) for i in range(103, 103 - len(gone), -1)], "only chain B, from its tail"
@@ -218,10 +235,11 @@ def test_disk_room_keeps_the_prefix_of_a_block_host_memory_holds():
 def test_gpu_slots_drop_clean_copies_but_never_a_draining_one():
     table = BlockTable()
     pool = SlabAllocator(2 * SLOT, 2 * SLOT)
-    disk = DiskPlacement(table, make_policy("lru"), _cfg(), lambda: 0, stored_size)
-    gpu = GpuPlacement(table, pool, make_policy("lru"), disk)
-    only = table.add(Block(_fk(0), SLOT, gpu_off=gpu.alloc(SLOT), draining=True))
-    clean = table.add(Block(_fk(1), SLOT, gpu_off=gpu.alloc(SLOT), host_off=0))
+    changes = TierChanges()
+    disk = DiskManager(table, make_policy("lru"), _cfg().disk, lambda: 0, stored_size, changes)
+    gpu = GpuManager(table, pool, make_policy("lru"), disk, changes)
+    only = table.add(_rec(_fk(0), SLOT, gpu_off=gpu.alloc(SLOT), draining=True))
+    clean = table.add(_rec(_fk(1), SLOT, gpu_off=gpu.alloc(SLOT), host_off=0))
     gpu.inserted(only)
     gpu.inserted(clean)
     assert gpu.draining()
@@ -231,7 +249,7 @@ def test_gpu_slots_drop_clean_copies_but_never_a_draining_one():
 
 
 def test_window_keeps_sinks_recent_and_the_heaviest_middle():
-    seq = [Block(_fk(i), SLOT, host_off=i * SLOT, mass=m) for i, m in enumerate([1, 0.1, 5, 0.2, 3, 1, 1])]
+    seq = [_rec(_fk(i), SLOT, host_off=i * SLOT, mass=m) for i, m in enumerate([1, 0.1, 5, 0.2, 3, 1, 1])]
     seq[3].leases = 1  # in use: never demoted
     out = window_out(list(seq) + [None], budget=5, sinks=1, recent=3)
     assert out == [seq[1]], "block 3 is the lightest but leased; block 1 goes"

@@ -44,13 +44,24 @@ def _config(tmp_path, gpu: bool = False, **host) -> Config:
 
 def _alloc(t: BlockStore, s: Session, n: int, keys: list[bytes] | None = None, tier: str = "host") -> list:
     """ALLOC as its handler makes it: slots of ``tier`` for ``n`` new blocks."""
-    return t.store_path.alloc(s, namespace(s), n, keys, tier)
+    if t.slots.tier(tier) == "gpu":
+        return t.gpu_path.alloc(s, namespace(s), n, keys)
+    return t.store_path.alloc(s, namespace(s), n, keys)
 
 
 def _commit(t: BlockStore, s: Session, keys: list[bytes], offs: list, durable: bool = False,
             tier: str = "host") -> int:
     """COMMIT as its handler makes it (waiting for durable writes; no chains, remote copy or tokens)."""
-    return t.store_path.commit(s, namespace(s), keys, offs, durable, tier, True, None, False, None)
+    if t.slots.tier(tier) == "gpu":
+        return t.gpu_path.commit(s, namespace(s), keys, offs, durable)
+    return t.store_path.commit(s, namespace(s), keys, offs, durable, True, None, False, None)
+
+
+def _acquire(t: BlockStore, s: Session, keys: list[bytes], tier: str = "host") -> tuple[int, list[int], list[str]]:
+    """ACQUIRE as its handler makes it: a fetch in ``tier``, waited for without a timeout."""
+    if t.slots.tier(tier) == "gpu":
+        return t.fetch_path.wait(s, t.gpu_path.fetch(s, namespace(s), keys), None)
+    return t.fetch_path.acquire(s, namespace(s), keys)
 
 
 @pytest.fixture
@@ -90,7 +101,7 @@ def _put(t: BlockStore, s: Session, keys: list[bytes], seed: int = 0, durable: b
 
 def _get(t: BlockStore, s: Session, keys: list[bytes], tier: str = "host") -> tuple[list[bytes], list[str]]:
     """Lease ``keys``, read their bytes and release; returns (bytes, source tiers)."""
-    lease, offs, tiers = t.fetch_path.acquire(s, namespace(s), keys, tier)
+    lease, offs, tiers = _acquire(t, s, keys, tier)
     pool = t.gpu if tier == "gpu" else t.host
     got = [bytes(pool.view(off, BLOCK).numpy() if tier == "gpu" else pool.view(off, BLOCK)) for off in offs]
     t.sessions.release(s, [lease])
@@ -152,7 +163,7 @@ def test_fetch_names_the_gpu_for_a_block_still_draining_from_it(make_table):
 def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_table):
     t = make_table(gpu=True, capacity=2 << 20)
     s = _session(t)
-    t.gpu_path.retry_drains = lambda: None  # only the lease may drain the blocks
+    t.evictor.drains = None  # only the lease may drain the blocks
     fill = _keys(t.host.capacity // BLOCK, start=1000)
     _put(t, s, fill)
     held, _, _ = t.fetch_path.acquire(s, namespace(s), fill)  # every host slot leased: the drain below finds none
@@ -167,7 +178,7 @@ def test_host_lease_waits_for_a_gpu_commit_whose_drain_found_no_host_slot(make_t
     blocks = [t.table.get(s.fp + k) for k in keys]
     assert not any(b.draining for b in blocks)
     slots = [b.host_off for b in blocks]
-    del t.gpu_path.retry_drains
+    t.evictor.drains = t.gpu_path
     t.gpu_path.retry_drains()  # the queued drains are done already: no second host copy
     assert [b.host_off for b in blocks] == slots
     assert _get(t, s, keys)[0] == data
@@ -232,7 +243,7 @@ def test_a_host_slot_waits_for_the_writer_and_never_drops_a_block_it_can_write(m
     t0 = time.monotonic()
     assert _alloc(t, s, 1) != [None]
     assert time.monotonic() - t0 < 10.0, "the write's completion wakes the waiting request"
-    assert t.hostp.stats.dropped_unwritten == 0
+    assert t.hostm.stats.dropped_unwritten == 0
 
 
 @pytest.mark.parametrize("idle", [True, False])
@@ -249,12 +260,12 @@ def test_demotions_encode_on_the_idle_class_threads_unless_told_not_to(make_tabl
     keys = _keys(t.host.capacity // BLOCK // 2 + 8)
     before = set(threading.enumerate())
     _put(t, s, keys)
-    t.evictor.kick()
+    t.ctx.kick()
     records = [t.table.get(s.fp + k) for k in keys]
     deadline = time.monotonic() + 30
     while sum(b.on_disk for b in records) < len(keys) // 4 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert sum(b.on_disk for b in records) >= len(keys) // 4 and t.hostp.stats.dropped_unwritten == 0
+    assert sum(b.on_disk for b in records) >= len(keys) // 4 and t.hostm.stats.dropped_unwritten == 0
     names = {th.name.rsplit("_", 1)[0] for th in set(threading.enumerate()) - before}
     assert ("tierkv-encode-bg" in names, "tierkv-encode" in names) == (idle, not idle)
 
@@ -263,12 +274,12 @@ def test_tune_keeps_the_disk_policy_weighted_by_the_admission_model(make_table):
     import dataclasses
 
     t = make_table()  # admission "all": the disk policy has no reuse factor
-    pol = t.diskp.policy
+    pol = t.diskm.policy
     assert pol.reuse is None
     for mode, weighted in (("predicted", True), ("all", False), ("predicted", True)):
         new = dataclasses.replace(t.ctx.cfg, disk=dataclasses.replace(t.ctx.cfg.disk, admission=mode))
         t.tuner.apply(new, {"disk.admission"})
-        assert t.diskp.policy is pol and (pol.reuse is not None) == weighted
+        assert t.diskm.policy is pol and (pol.reuse is not None) == weighted
     new = dataclasses.replace(t.ctx.cfg, policy={**t.ctx.cfg.policy, "beta": 0.7})
     t.tuner.apply(new, {"policy.beta"})  # a weight changed: the policy keeps its reuse factor
     assert pol.settings()["beta"] == 0.7 and pol.reuse is not None
@@ -290,13 +301,13 @@ def test_disk_policy_ages_by_idle_time_and_tune_changes_it(make_table):
     import dataclasses
 
     t = make_table()
-    pol = t.diskp.policy
+    pol = t.diskm.policy
     assert pol.settings()["idle_aging"] == t.ctx.cfg.disk.idle_aging == 0.5 and pol.tau > 0
-    assert t.hostp.policy.settings()["idle_aging"] == 0.0  # the host keeps the GDSF aging clock
+    assert t.hostm.policy.settings()["idle_aging"] == 0.0  # the host keeps the GDSF aging clock
     for scale in (1.5, 0.0):
         new = dataclasses.replace(t.ctx.cfg, disk=dataclasses.replace(t.ctx.cfg.disk, idle_aging=scale))
         t.tuner.apply(new, {"disk.idle_aging"})
-        assert t.diskp.policy is pol and pol.settings()["idle_aging"] == scale
+        assert t.diskm.policy is pol and pol.settings()["idle_aging"] == scale
     assert pol.tau == 0.0
 
 
@@ -344,7 +355,7 @@ def test_leases_pin_blocks_against_eviction_and_evicted_blocks_come_back_from_di
     i = evicted[0]
     assert t.fetch_path.lookup(s.fp, [first[i]]) == ["disk"]
     assert _get(t, s, [first[i]]) == ([data[i]], ["disk"])
-    assert t.hostp.stats.evictions >= per // 2 and t.diskp.stats.hits == 1
+    assert t.hostm.stats.evictions >= per // 2 and t.diskm.stats.hits == 1
 
 
 def test_a_full_host_tier_of_leased_blocks_is_tier_full(make_table):
@@ -387,7 +398,7 @@ def test_gpu_commit_drains_to_host_and_stays_busy_until_then(make_table):
     held.run()
     assert not b.draining and b.host_ready
     assert [bytes(t.host.view(t.table.get(s.fp + k).host_off, BLOCK)) for k in keys] == data
-    assert t.gpup.stats.demotions == 3
+    assert t.gpum.stats.demotions == 3
     assert t.retention.delete(s, keys) == 3 and t.fetch_path.lookup(s.fp, keys) == []
 
 
@@ -398,7 +409,7 @@ def test_gpu_fetch_promotes_host_blocks(make_table):
     data = _put(t, s, keys)
     assert _get(t, s, keys, "gpu") == (data, ["host", "host"])
     assert t.fetch_path.lookup(s.fp, keys) == ["gpu", "gpu"]
-    assert t.gpup.stats.promotions == 2
+    assert t.gpum.stats.promotions == 2
 
 
 def test_misuse_is_a_bad_request_and_changes_nothing(make_table):
@@ -416,7 +427,7 @@ def test_misuse_is_a_bad_request_and_changes_nothing(make_table):
     with pytest.raises(BadRequest, match="GPU tier is off"):
         _alloc(t, s, 1, tier="gpu")
     with pytest.raises(BadRequest, match="tier must be"):
-        t.fetch_path.fetch(s, namespace(s), _keys(1), tier="disk")
+        _acquire(t, s, _keys(1), tier="disk")
     with pytest.raises(BadRequest, match="ticket"):
         t.fetch_path.wait(s, 99, 0)
     _put(t, s, _keys(1))

@@ -115,3 +115,24 @@ def test_a_cached_block_gone_before_the_commit_leaves_a_hole_never_wrong_data(da
         assert c.lookup(keys) == 2 and c.cached(keys[:6]) == [True, True, False, True, True, True]
         got = c.get(keys[3:6])
     assert torch.equal(got[0], src.block(3)) and torch.equal(got[1], early[1]) and torch.equal(got[2], src.block(5))
+
+
+def test_a_requests_cache_salt_is_the_tenant_its_stored_blocks_count_for(daemon_factory):
+    """Two requests with a cache_salt each and one without, stored in one pass: each salted request's new
+    blocks count against its tenant in the daemon (the quota accounts), the other's against none."""
+    d = daemon_factory(ARGS, env=ENV)
+    src = RecordingPages(16, seed=5)
+    planner, t = Planner.single(link(d), NS, BT), Transfers(link(d), src)
+    stores = []
+    for rid, salt, start, ids in (("a", "tenant-a", 10_000, [1, 2]), ("b", "tenant-b", 20_000, [3]),
+                                  ("c", None, 30_000, [4, 5])):
+        _n, plan = prefill(planner, Req(rid, list(range(start, start + len(ids) * BT + 1)), cache_salt=salt), ids)
+        stores += plan.stores
+    assert [io.tenant for io in stores] == ["tenant-a", "tenant-b", None]
+    staged = t.stage(stores)
+    assert staged is not None and staged.tenants == [(0, "tenant-a"), (2, "tenant-b"), (3, None)]
+    t.commit(staged)
+    with d.client(model="vllm-plan", layout=LAYOUT) as c:
+        tenants = c.stats()["tenants"]
+    assert {k: v["used"]["host"] for k, v in tenants.items()} == {"tenant-a": 2 * LAYOUT.block_bytes,
+                                                                 "tenant-b": LAYOUT.block_bytes}

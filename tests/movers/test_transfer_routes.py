@@ -164,15 +164,15 @@ def test_the_store_chooses_the_deletes_its_disk_writes_carry(tmp_path: Path) -> 
         rng = np.random.default_rng(7)
         for i in range(8):
             keys = [b"%08d" % (i * 8 + j) for j in range(8)]
-            offs = st.store_path.alloc(s, namespace(s), 8, keys, "host")
+            offs = st.store_path.alloc(s, namespace(s), 8, keys)
             for off in offs:
                 st.host.view(off, SMALL.block_bytes)[:] = rng.integers(0, 255, SMALL.block_bytes, dtype=np.uint8)
-            st.store_path.commit(s, namespace(s), keys, offs, True, "host", True, None, False, None)
+            st.store_path.commit(s, namespace(s), keys, offs, True, True, None, False, None)
         deletes = [k for route, d in submitted if route == TO_DISK for k in d]
         assert deletes, "the disk filled up, yet no store job carried deletes"
         with st.ctx.lock:
             assert not any(st.table.get(fk) is not None and st.table.get(fk).on_disk for fk in deletes)
-            assert st.diskp.reserved == 0 and st.diskp.used <= cfg.disk.high_watermark * cfg.disk.capacity
+            assert st.diskm.reserved == 0 and st.diskm.used <= cfg.disk.high_watermark * cfg.disk.capacity
             on_disk = {b.fk for b in st.table.records() if b.on_disk}
         assert st.disk is not None and _stored(st.disk) == on_disk
         assert st.transfers.verify() == {"checked": len(on_disk), "bad": [], "dropped": 0}

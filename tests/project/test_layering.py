@@ -192,6 +192,36 @@ def test_no_daemon_module_imports_another_for_annotations_only():
     assert found == []
 
 
+def test_only_a_tiers_manager_writes_its_fields_of_a_block():
+    """Every write of a record's tier fields (:data:`~tierkv.cache.block.TIER_FIELDS`) is in that tier's
+    manager (``tierkv/cache/<tier>_manager.py``), and nothing there or in the daemon sets attributes by
+    name (settings by their dotted names aside): a block's life in a tier is its manager's transitions."""
+    import ast
+
+    from tierkv.cache.block import TIER_FIELDS
+
+    owner = {f: tier for tier, fields in TIER_FIELDS.items() for f in fields}
+    found = []
+    for path in sorted((REPO / "tierkv").rglob("*.py")):
+        name = str(path.relative_to(REPO))
+        for node in ast.walk(ast.parse(path.read_text(), name)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                if path.parent.name in ("cache", "daemon", "sim") and path.name != "config.py":
+                    found.append(f"{name}:{node.lineno}: setattr")
+                continue
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+            for t in targets:
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if not isinstance(e, ast.Attribute) or e.attr not in owner:
+                        continue
+                    if isinstance(e.value, ast.Name) and e.value.id == "self":
+                        continue  # a class's own attribute of that name (not a record's)
+                    if path.name != f"{owner[e.attr]}_manager.py":
+                        found.append(f"{name}:{node.lineno}: {e.attr} ({owner[e.attr]})")
+    assert found == []
+
+
 def test_modules_and_functions_stay_small():
     """Small modules named for one thing: no module of the package over 400 lines, no function over 60."""
     import ast

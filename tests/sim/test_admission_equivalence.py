@@ -3,7 +3,7 @@ each tier after every request (so the same evictions), the same admissions to di
 
 The daemon side is its decision objects, built by the daemon's own start-up (``make_host_policy``,
 ``make_disk_policy``, ``make_admission``: :mod:`tierkv.cache.wiring`) over a block table, a slab
-allocator, :class:`HostPlacement` and :class:`DiskPlacement`, driven request by request as the daemon's
+allocator, :class:`HostManager` and :class:`DiskManager`, driven request by request as the daemon's
 paths drive them, with each transfer done in place: the request names its chain (the reuse models
 learn from it), the blocks any tier holds are leased (a use: ``touch``), the blocks on disk only are
 loaded, the missing ones stored, and the evictor demotes at watermarks 1.0 (victims admitted by the
@@ -22,9 +22,12 @@ import pytest
 
 from tests.helpers import SMALL
 from tierkv.cache.block import Block
-from tierkv.cache.placement import DiskPlacement, HostPlacement
+from tierkv.cache.disk_manager import DiskManager
+from tierkv.cache.host_manager import HostManager
+from tierkv.cache.host_outflow import HostOutflow
 from tierkv.cache.reuse import History
 from tierkv.cache.table import BlockTable
+from tierkv.cache.tier_changes import TierChanges
 from tierkv.cache.wiring import host_reuse
 from tierkv.core.keys import Namespace
 from tierkv.daemon.blockstore import HISTORY_ENTRIES
@@ -94,14 +97,17 @@ class DaemonDecisions:
         self.host_reuse = host_reuse(HISTORY_ENTRIES)
         self.admission = make_admission(cfg, self.history, HISTORY_ENTRIES)
         self.admission.update(ghost_entries=GHOST)
-        self.diskp = DiskPlacement(self.table, make_disk_policy(cfg, self.history, self.admission.evict_model),
-                                   cfg, lambda: DISK_BLOCKS * STORED, stored_size)
+        changes = TierChanges()
+        self.diskm = DiskManager(self.table, make_disk_policy(cfg, self.history, self.admission.evict_model),
+                                 cfg.disk, lambda: DISK_BLOCKS * STORED, stored_size, changes)
         self.slot = slot_size_for(BLOCK)
         # the pool holds a request beyond the tier's limit: the evictor brings it back under the limit
         pool = SlabAllocator((HOST_BLOCKS + 64) * self.slot, 8 * self.slot)
-        self.hostp = HostPlacement(self.table, pool, make_host_policy(cfg, self.history, self.host_reuse),
-                                   self.diskp, True, self.host_reuse, self.admission, cfg, lambda: False)
-        self.hostp.limit = HOST_BLOCKS * self.slot
+        self.hostm = HostManager(self.table, pool, make_host_policy(cfg, self.history, self.host_reuse),
+                                 self.diskm, self.host_reuse, self.admission, (cfg.host, cfg.disk), lambda: False,
+                                 changes)
+        self.hostm.limit = HOST_BLOCKS * self.slot
+        self.outflow = HostOutflow(self.hostm, self.admission)
 
     def request(self, pages: list[int], output_tokens: int | None) -> Step:
         fks = [FP + p.to_bytes(8, "little") for p in pages]
@@ -122,15 +128,15 @@ class DaemonDecisions:
                 continue
             host_hits += prefix and b.host_off is not None
             disk_hits += prefix and b.host_off is None
-            self.hostp.touch(b)  # a lease is a use
-            b.leases += 1
+            self.hostm.touch(b)  # a lease is a use
+            self.hostm.lease(b)
             leased.append(b)
             if b.host_off is None:
                 incoming.append((fk, b))  # on disk only: loaded into host memory
         self._bring_in(fks, incoming, leased, now)
         self._evict()
         for b in leased:
-            b.leases -= 1
+            self.hostm.unlease(b)
         self.host_reuse.request_finished(fks, now, output_tokens)
         self.admission.request_finished(fks, now, output_tokens)
         held = [(int.from_bytes(b.fk[len(FP):], "little"), b) for b in self.table.records()]
@@ -142,30 +148,30 @@ class DaemonDecisions:
         """Loads and stores in request order: a slot each, inserted into the host order and used."""
         stored: list[bytes] = []
         for fk, b in incoming:
-            off = self.hostp.pool.alloc(self.slot)
+            off = self.hostm.pool.alloc(self.slot)
             assert off is not None
             if b is None:
                 i = fks.index(fk)
-                b = self.table.add(Block(fk, BLOCK, host_off=off, parent=fks[i - 1] if i else None))
-                b.leases += 1  # the client holds its new blocks until the request ends
+                b = self.table.add(Block(fk, BLOCK, fks[i - 1] if i else None))
+                self.hostm.committed(b, off, b.parent)
+                self.hostm.lease(b)  # the client holds its new blocks until the request ends
                 leased.append(b)
                 stored.append(fk)
             else:
-                b.host_off = off
-            self.hostp.inserted(b)
-            self.hostp.policy.on_access(fk)
+                self.hostm.kept(b, off, b.parent, None)
+                self.hostm.policy.on_access(fk)
         self.host_reuse.stored(stored, now)
         if self.cfg.disk.admission == "predicted":
             self.admission.stored(stored, now)
 
     def _evict(self) -> None:
         """The evictor: demote above the watermark; the disk writer makes room for each block it writes."""
-        dirty = self.hostp.demotion(False)
+        dirty = self.outflow.demotion(False)
         for b in dirty:
-            self.diskp.room(stored_size(BLOCK))
-            b.on_disk, b.disk_bytes = True, BLOCK
-            self.diskp.added(b)
-        self.hostp.demoted(dirty)
+            _deletes, reserved = self.diskm.prepare_store([b])
+            self.diskm.complete_store(b, BLOCK)
+            self.diskm.store_settled(reserved, failed=False)
+        self.outflow.demoted(dirty)
 
 
 def simulate(lines: list[str], cfg: Config) -> tuple[list[Step], Simulator]:
@@ -209,5 +215,5 @@ def test_daemon_decisions_and_replay_agree(admission):
     assert (daemon.admission.admitted, daemon.admission.rejected) == (rule.admitted, rule.rejected)
     # the trace exercises what is compared: hits in both tiers, host and disk evictions, both decisions
     assert sum(s.host_hits for s in want) > 0 and sum(s.disk_hits for s in want) > 0
-    assert daemon.hostp.stats.evictions > 0 and daemon.diskp.stats.evictions > 0
+    assert daemon.hostm.stats.evictions > 0 and daemon.diskm.stats.evictions > 0
     assert rule.admitted > 0 and (rule.rejected > 0 or admission == "all")

@@ -1,13 +1,14 @@
 """Block records, leases and per-connection state: the plain data the block table holds.
 
 A block is immutable and content-addressed by ``fingerprint + key``. It may have a slot in the GPU
-tier, a slot in the host tier, a value on disk, a copy in the remote tier, or several of these. The
-flags below say which copies are in use; a copy in use never moves or vanishes.
+tier, a slot in the host tier, a value on disk, a copy in the remote tier, or several of these; each
+tier's manager (:mod:`tierkv.cache.host_manager`, ``gpu_manager``, ``disk_manager``, ``remote_manager``)
+owns that tier's fields of the record and reports every copy gained or lost
+(:class:`~tierkv.cache.tier_changes.TierChanges`). A copy in use never moves or vanishes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,96 +30,64 @@ class LoadSignal(Protocol):
         """Wait until the load finishes or ``timeout`` seconds pass; whether it finished."""
 
 
-#: ``observer(block, tier, held)``: a block came to be held in ``tier`` (``held``) or left it.
-Observer = Callable[["Block", str, bool], None]
+# The fields of a record each tier manager owns: only it writes them (tests/project/test_layering.py
+# checks), so a block's life in a tier is the manager's transitions and nothing else.
+TIER_FIELDS: dict[str, tuple[str, ...]] = {
+    "host": ("host_off", "leases", "writing", "loading", "load_failed", "pin"),
+    "gpu": ("gpu_off", "gpu_leases", "gpu_loading", "draining"),
+    "disk": ("on_disk", "disk_bytes"),
+    "remote": ("on_remote",),
+}
 
 
 class Block:
-    """One block's record.
-
-    The four tier copies (``gpu_off``, ``host_off``, ``on_disk``, ``on_remote``) are properties: a
-    record in a table that has an observer reports each copy it gains or loses (KV events).
+    """One block's record: what it is (``fk``, size, the chain it was stored in, its token ids, the
+    tenant that stored it), the
+    signals the policies read (``hits``, ``mass``), and per tier the state its manager owns
+    (:data:`TIER_FIELDS`). A new record holds no copy: the managers give it one.
     """
 
-    __slots__ = ("fk", "nbytes", "_host", "_disk", "disk_bytes", "leases", "writing", "_remote", "loading",
-                 "load_failed", "hits", "pin", "mass", "_gpu", "gpu_leases", "gpu_loading", "draining",
-                 "parent", "tokens", "obs")
+    __slots__ = ("fk", "nbytes", "parent", "tokens", "tenant", "hits", "mass",
+                 "host_off", "leases", "writing", "loading", "load_failed", "pin",
+                 "gpu_off", "gpu_leases", "gpu_loading", "draining", "on_disk", "disk_bytes", "on_remote")
 
-    def __init__(self, fk: bytes, nbytes: int, host_off: int | None = None, on_disk: bool = False,
-                 disk_bytes: int = 0, leases: int = 0, writing: int = 0, on_remote: bool = False,
-                 loading: LoadSignal | None = None, load_failed: bool = False, hits: int = 0, pin: int = 0,
-                 mass: float = 1.0, gpu_off: int | None = None, gpu_leases: int = 0,
-                 gpu_loading: LoadSignal | None = None, draining: bool = False, parent: bytes | None = None,
-                 tokens: bytes | None = None) -> None:
+    def __init__(self, fk: bytes, nbytes: int, parent: bytes | None = None, tokens: bytes | None = None,
+                 tenant: str | None = None) -> None:
         self.fk = fk                      # fingerprint + key
         self.nbytes = nbytes              # raw bytes (the namespace's block size)
-        self._host = host_off             # slot offset in the host pool
-        self._disk = on_disk
-        self.disk_bytes = disk_bytes      # encoded bytes on disk
-        self.leases = leases
-        self.writing = writing            # host -> disk/remote stores in flight (they read the slot)
-        self._remote = on_remote          # known to be in the remote tier
-        self.loading = loading            # set when a load into the host slot finishes (the daemon makes it)
-        self.load_failed = load_failed
-        self.hits = hits
-        self.pin = pin                    # retention priority of a pinned prefix (0 = not pinned)
-        self.mass = mass                  # last attention mass a client reported (1.0 = uniform)
-        self._gpu = gpu_off               # slot offset in the GPU tier's device pool
-        self.gpu_leases = gpu_leases
-        self.gpu_loading = gpu_loading    # set when a host -> gpu copy finishes
-        self.draining = draining          # committed on the GPU, its host copy not made yet (the only copy)
         self.parent = parent              # the previous block of the chain it was stored in (tails go first)
         self.tokens = tokens              # the block's token ids (int32), when the store was told them
-        self.obs: Observer | None = None  # set while the record is in a table that reports changes
+        self.tenant = tenant              # the tenant that stored it (its quotas count it), when told
+        self.hits = 0                     # uses since it was cached (leases, stores that found it)
+        self.mass = 1.0                   # last attention mass a client reported (1.0 = uniform)
+        # host: its slot, leases on the slot, host -> disk/remote stores in flight (they read the slot),
+        # a load filling the slot (set when it finishes; the daemon makes it), whether it failed, and the
+        # retention priority of a pinned prefix (0 = not pinned)
+        self.host_off: int | None = None
+        self.leases = 0
+        self.writing = 0
+        self.loading: LoadSignal | None = None
+        self.load_failed = False
+        self.pin = 0
+        # gpu: its device slot, leases on it, a host -> gpu copy filling it, and whether it is the only
+        # copy (committed on the GPU, its host copy not made yet)
+        self.gpu_off: int | None = None
+        self.gpu_leases = 0
+        self.gpu_loading: LoadSignal | None = None
+        self.draining = False
+        # disk: a value on disk and its encoded bytes; remote: known to be in the remote tier
+        self.on_disk = False
+        self.disk_bytes = 0
+        self.on_remote = False
 
     def __repr__(self) -> str:
-        return (f"Block({self.fk.hex()[:16]}, gpu={self._gpu}, host={self._host}, disk={self._disk}, "
-                f"remote={self._remote}, leases={self.leases})")
+        return (f"Block({self.fk.hex()[:16]}, gpu={self.gpu_off}, host={self.host_off}, disk={self.on_disk}, "
+                f"remote={self.on_remote}, leases={self.leases})")
 
     def held(self) -> list[str]:
         """The tiers holding a copy: ``gpu``, ``host``, ``disk``, ``remote``."""
-        return [t for t, on in (("gpu", self._gpu is not None), ("host", self._host is not None),
-                                ("disk", self._disk), ("remote", self._remote)) if on]
-
-    @property
-    def host_off(self) -> int | None:
-        return self._host
-
-    @host_off.setter
-    def host_off(self, off: int | None) -> None:
-        if self.obs is not None and (off is None) != (self._host is None):
-            self.obs(self, "host", off is not None)
-        self._host = off
-
-    @property
-    def gpu_off(self) -> int | None:
-        return self._gpu
-
-    @gpu_off.setter
-    def gpu_off(self, off: int | None) -> None:
-        if self.obs is not None and (off is None) != (self._gpu is None):
-            self.obs(self, "gpu", off is not None)
-        self._gpu = off
-
-    @property
-    def on_disk(self) -> bool:
-        return self._disk
-
-    @on_disk.setter
-    def on_disk(self, on: bool) -> None:
-        if self.obs is not None and on != self._disk:
-            self.obs(self, "disk", on)
-        self._disk = on
-
-    @property
-    def on_remote(self) -> bool:
-        return self._remote
-
-    @on_remote.setter
-    def on_remote(self, on: bool) -> None:
-        if self.obs is not None and on != self._remote:
-            self.obs(self, "remote", on)
-        self._remote = on
+        return [t for t, on in (("gpu", self.gpu_off is not None), ("host", self.host_off is not None),
+                                ("disk", self.on_disk), ("remote", self.on_remote)) if on]
 
     @property
     def protected(self) -> bool:
@@ -215,6 +184,33 @@ def validate_chains(chains: object, n: int) -> dict[int, bytes | None]:
         if parent is not None and (type(parent) is not bytes or not 0 < len(parent) <= MAX_KEY_BYTES):
             raise BadRequest(f"a chain's parent must be nil or a key of 1..{MAX_KEY_BYTES} bytes")
         out[pair[0]] = parent
+        last = pair[0]
+    return out
+
+
+MAX_TENANT = 256  # characters of a tenant's name
+
+
+def validate_tenants(tenants: object, n: int) -> dict[int, str | None]:
+    """Check a commit's ``tenants`` field: where the runs of its ``n`` keys stored for one tenant start,
+    pairs of an increasing index and the tenant (or nil: none). Missing: no tenant.
+
+    Raises:
+        BadRequest: not a list of such pairs.
+    """
+    if tenants is None:
+        return {}
+    if not isinstance(tenants, list) or len(tenants) > n:
+        raise BadRequest("tenants must be a list of [index, tenant] pairs, at most one a key")
+    out: dict[int, str | None] = {}
+    last = -1
+    for pair in tenants:
+        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int or not last < pair[0] < n:
+            raise BadRequest(f"tenants must be [index, tenant] pairs with increasing indexes below {n}")
+        t = pair[1]
+        if t is not None and (not isinstance(t, str) or not 0 < len(t) <= MAX_TENANT):
+            raise BadRequest(f"a tenant must be nil or a name of 1..{MAX_TENANT} characters")
+        out[pair[0]] = t
         last = pair[0]
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from tierkv.cache.block import Block, Lease, Observer, Session, tier_of, validate_keys
+from tierkv.cache.block import Block, Lease, Session, tier_of, validate_keys
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import FINGERPRINT_BYTES, Namespace
 from tierkv.core.layout import Layout
@@ -36,17 +36,6 @@ class BlockTable:
         self.ns_hits: dict[bytes, list[int]] = {}  # fingerprint -> [blocks fetches got, blocks they missed]
         self._ns_sessions: dict[bytes, int] = {}  # connections bound to each namespace
         self._lease_ids = 0
-        self.observer: Observer | None = None  # told of every tier copy a record gains or loses
-
-    def observe(self, observer: Observer | None) -> None:
-        """Report every tier copy a record gains or loses to ``observer`` (records already held are
-        reported as gained)."""
-        self.observer = observer
-        for b in self.blocks.values():
-            b.obs = observer
-            if observer is not None:
-                for tier in b.held():
-                    observer(b, tier, True)
 
     # ---- records ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -64,19 +53,13 @@ class BlockTable:
         return iter(self.blocks.values())
 
     def add(self, b: Block) -> Block:
-        """Record a new block and count it in its namespace."""
-        old = self.blocks.get(b.fk)
-        if old is not None and old is not b and old.obs is not None:
-            for tier in old.held():
-                old.obs(old, tier, False)
-            old.obs = None
+        """Record a new block (it holds no copy yet: the tier managers give it one) and count it in its
+        namespace."""
+        replaced = b.fk in self.blocks
         self.blocks[b.fk] = b
-        fp = b.fk[:FINGERPRINT_BYTES]
-        self.ns_blocks[fp] = self.ns_blocks.get(fp, 0) + 1
-        if self.observer is not None:
-            b.obs = self.observer
-            for tier in b.held():
-                self.observer(b, tier, True)
+        if not replaced:
+            fp = b.fk[:FINGERPRINT_BYTES]
+            self.ns_blocks[fp] = self.ns_blocks.get(fp, 0) + 1
         return b
 
     def remove(self, b: Block) -> None:
@@ -85,10 +68,6 @@ class BlockTable:
             del self.blocks[b.fk]
             fp = b.fk[:FINGERPRINT_BYTES]
             self.ns_blocks[fp] = self.ns_blocks.get(fp, 1) - 1
-            if b.obs is not None:
-                for tier in b.held():
-                    b.obs(b, tier, False)
-                b.obs = None
 
     def layout_of(self, b: Block) -> Layout:
         """The layout of a block's namespace (registered by the connection that stored it)."""
@@ -170,41 +149,27 @@ class BlockTable:
         s.leases[lease.id] = lease
         return lease
 
-    def release(self, s: Session, lease_ids: Iterable[int]) -> None:
-        """End leases; unknown ids (double release, another client's lease) are an error."""
+    def release(self, s: Session, lease_ids: Iterable[int]) -> list[Lease]:
+        """End leases; unknown ids (double release, another client's lease) are an error. Returns the
+        leases ended (the tier managers end their blocks' leases:
+        :meth:`~tierkv.cache.managers.TierManagers.end_leases`)."""
         ids = list(lease_ids)
         if len(set(ids)) != len(ids):
             raise BadRequest("a lease id appears twice")
         for lid in ids:
             if lid not in s.leases:
                 raise BadRequest(f"lease {lid!r} is not held by this connection")
-        for lid in ids:
-            lease = s.leases.pop(lid)
-            for b in lease.blocks:
-                unlease(b, lease.tier)
+        return [s.leases.pop(lid) for lid in ids]
 
-    def drop_leases(self, s: Session) -> None:
-        """End every lease and pending ticket of a closing connection."""
-        for lease in s.leases.values():
-            for b in lease.blocks:
-                unlease(b, lease.tier)
+    def drop_leases(self, s: Session) -> list[Lease]:
+        """End every lease and pending ticket of a closing connection; returns them (as for :meth:`release`)."""
+        out = list(s.leases.values()) + [Lease(0, leased, tier) for leased, _tiers, tier in s.tickets.values()]
         s.leases.clear()
-        for leased, _tiers, tier in s.tickets.values():
-            for b in leased:
-                unlease(b, tier)
         s.tickets.clear()
+        return out
 
     def close(self) -> None:
         """Unmap the shared lookup index."""
         if self.index is not None:
             self.index.close()
 
-
-def unlease(b: Block, tier: str) -> None:
-    """Drop one lease on ``b``'s slot in ``tier``."""
-    if tier == "gpu":
-        b.gpu_leases -= 1
-        assert b.gpu_leases >= 0
-    else:
-        b.leases -= 1
-        assert b.leases >= 0

@@ -3,7 +3,10 @@ rebuilds. Data and plain checks; :mod:`tierkv.daemon.tuning` applies them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierkv.daemon.sections import DiskConfig, HostConfig
 
 # Settings fixed at start-up: they shape the pool, the socket, the LMDB environment or the observers.
 RESTART_ONLY = frozenset({
@@ -30,12 +33,12 @@ def policy_changed(tier: str, changed: set[str]) -> bool:
     return bool(POLICY_KEYS[tier] & changed) or any(c.startswith("policy.") for c in changed)
 
 
-def check_capacities(new: Any, changed: set[str], host_pool: int, disk_capacity: int | None,
-                     disk_map: int) -> None:
+def check_capacities(new: tuple[HostConfig, DiskConfig], changed: set[str], host_pool: int,
+                     disk_capacity: int | None, disk_map: int) -> None:
     """Capacities only shrink at run time (the pool and the LMDB map are sized at start-up).
 
     Args:
-        new: the settings after the change.
+        new: the ``host`` and ``disk`` settings after the change.
         changed: the keys being changed.
         host_pool: bytes of the host pool.
         disk_capacity: the disk tier's capacity, None when the disk tier is off.
@@ -44,9 +47,10 @@ def check_capacities(new: Any, changed: set[str], host_pool: int, disk_capacity:
     Raises:
         ValueError: a capacity grows past what the daemon started with.
     """
-    if "host.capacity" in changed and new.host.capacity > host_pool:
+    host, disk = new
+    if "host.capacity" in changed and host.capacity > host_pool:
         raise ValueError(f"host.capacity can only shrink at run time (pool is {host_pool} bytes; "
                          "restart to grow it)")
-    if "disk.capacity" in changed and (disk_capacity is None or new.disk.capacity > disk_capacity
-                                       and new.disk.capacity * 1.25 > disk_map):
+    if "disk.capacity" in changed and (disk_capacity is None or disk.capacity > disk_capacity
+                                       and disk.capacity * 1.25 > disk_map):
         raise ValueError("disk.capacity cannot grow past the size the daemon started with")

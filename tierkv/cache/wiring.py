@@ -90,6 +90,5 @@ def colder_policy(name: str, settings: Mapping[str, Any], overrides: Mapping[str
     that the faster tier does not hold); other arguments as :func:`tier_policy`."""
     policy = tier_policy(name, settings, overrides, clock=clock, history=history,
                          reuse=evict_model if mode == "predicted" else None, **hooks)
-    if hasattr(policy, "shadow_on_requests"):  # the policies with an LRU shadow (it is read by them only)
-        policy.shadow_on_requests = True
+    policy.shadow_on_requests = True  # read by the policies with a recency shadow only
     return policy

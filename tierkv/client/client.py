@@ -52,21 +52,21 @@ class Client(Hints):
     # ---- convenience layer ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor | np.ndarray, durable: bool = False,
             tier: str | None = None, timeout: float | None = None, parent: bytes | None = None,
-            remote: bool = False, tokens: Sequence[int] | np.ndarray | None = None) -> int:
-        """Store blocks ``[n, 2, layers, kv_heads, block_tokens, head_dim]`` under ``keys``.
+            remote: bool = False, tokens: Sequence[int] | np.ndarray | None = None, tenant: str | None = None) -> int:
+        """Store blocks ``[n, 2, layers, kv_heads, block_tokens, head_dim]`` under ``keys`` (for ``tenant``,
+        whose quotas count them, when given).
 
         Returns once committed (with ``durable=True``: once synced to the disk tier, which survives a
         ``kill -9`` of the daemon; with ``remote=True``: once written through to the remote tier, see
         :meth:`commit`). Keys already cached are deduplicated (not copied unless durable or remote).
-        ``tier="gpu"`` stores into GPU slots (a device-to-device copy; the daemon drains them to host
-        memory and disk in the background); by default CUDA tensors go there when the daemon has a GPU.
-        A durable host put larger than a chunk (or than a quarter of the host tier) streams through
-        the host tier to disk in chunks.
+        ``tier="gpu"`` stores into GPU slots (a device-to-device copy; the daemon drains them to host memory
+        and disk in the background); by default CUDA tensors go there when the daemon has a GPU. A durable
+        host put larger than a chunk (or than a quarter of the host tier) streams through the host tier to
+        disk in chunks.
 
-        A full host tier makes room from clean blocks first. ``timeout`` bounds the wait for the disk
-        writer to clean more (None: the daemon's ``server.slot_wait_s``); past it, or at once with
-        ``timeout=0``, blocks not yet written to disk are dropped to make room (later misses, never a
-        stalled caller).
+        A full host tier makes room from clean blocks first. ``timeout`` bounds the wait for the disk writer
+        to clean more (None: the daemon's ``server.slot_wait_s``); past it, or at once with ``timeout=0``,
+        blocks not yet written to disk are dropped to make room (later misses, never a stalled caller).
 
         ``keys`` are one prefix chain, each the child of the one before; ``parent`` is the key the chain
         continues (the last block of a cached prefix; None: ``keys[0]`` starts a chain). The daemon's
@@ -89,14 +89,15 @@ class Client(Hints):
             return 0
         chunks = durable_chunks(len(keys), self.layout.block_bytes, self._pool_bytes) if durable else []
         if tier == "gpu" or len(chunks) <= 1:
-            return self._store(keys, src, durable, tier, timeout=timeout, parent=parent, remote=remote, tokens=wire)
+            return self._store(keys, src, durable, tier, timeout=timeout, parent=parent, remote=remote, tokens=wire,
+                               tenant=tenant)
         # A large durable put streams: each chunk's disk write is queued at its commit, and the copy of
         # the next chunk overlaps it; one SYNC then waits for them all.
         new, tb = 0, self.layout.block_tokens * 4
         try:
             for lo, hi in chunks:
                 new += self._store(keys[lo:hi], src[lo:hi], True, tier, wait=False, timeout=timeout,
-                                   parent=keys[lo - 1] if lo else parent, remote=remote,
+                                   parent=keys[lo - 1] if lo else parent, remote=remote, tenant=tenant,
                                    tokens=wire[lo * tb:hi * tb] if wire is not None else None)
         except BaseException:
             try:
@@ -109,7 +110,7 @@ class Client(Hints):
 
     def _store(self, keys: list[bytes], src: torch.Tensor, durable: bool, tier: str, wait: bool = True,
                timeout: float | None = None, parent: bytes | None = None, remote: bool = False,
-               tokens: bytes | None = None) -> int:
+               tokens: bytes | None = None, tenant: str | None = None) -> int:
         """ALLOC, copy the blocks not cached yet into their slots, COMMIT (ABORT if the copy fails)."""
         # A durable or remote put sends every block, cached or not (a cached one may be in host memory only)
         body: dict[str, Any] = {"n": len(keys), "keys": None if durable or remote else keys, "tier": tier}
@@ -131,6 +132,8 @@ class Client(Hints):
         chains = [[j, keys[i - 1] if i else parent] for j, i in enumerate(todo) if j == 0 or i != todo[j - 1] + 1]
         if chains and chains != [[0, None]]:
             body["chains"] = chains
+        if tenant is not None and slots:
+            body["tenants"] = [[0, tenant]]
         if tokens is not None:
             tb = self.layout.block_tokens * 4
             body["tokens"] = b"".join(tokens[i * tb:(i + 1) * tb] for i in todo)
@@ -243,8 +246,10 @@ class Client(Hints):
 
     def commit(self, keys: Sequence[bytes], slots: Slots, durable: bool = False,
                chains: Sequence[tuple[int, bytes | None]] | None = None, remote: bool = False,
-               tokens: Sequence[int] | np.ndarray | None = None, uses: Sequence[bytes] = ()) -> int:
+               tokens: Sequence[int] | np.ndarray | None = None, uses: Sequence[bytes] = (),
+               tenants: Sequence[tuple[int, str | None]] | None = None) -> int:
         """Publish written slots under ``keys`` (immutable from now on); duplicates are deduplicated.
+        ``tenants``: ``(index, tenant)`` where the keys of one tenant start (its quotas count them).
 
         ``keys`` are prefix chains, each key the child of the one before, except where ``chains`` says a
         chain starts: pairs ``(index into keys, the key that chain continues or None)``. None: one
@@ -276,6 +281,8 @@ class Client(Hints):
             body["chains"] = starts
         if used:
             body["uses"] = used
+        if tenants:
+            body["tenants"] = [[int(i), t] for i, t in tenants]
         if wire_tokens is not None:
             body["tokens"] = wire_tokens
         return int(self._call(Op.COMMIT, body)["new"])
@@ -312,31 +319,6 @@ class Client(Hints):
         loads started."""
         tier = self._pick_tier(tier, None)
         return int(self._call(Op.PREFETCH, {"keys": check_keys(keys), "tier": tier})["started"])
-
-    def request_finished(self, keys: Sequence[bytes], output_tokens: int | None = None) -> int:
-        """Tell the daemon a request finished: ``keys`` (its chained block keys, prompt and output, in
-        order) are a conversation tail the next turn may extend, so the daemon keeps them (writes them
-        to disk when they leave host memory). ``output_tokens``: how many tokens the request
-        generated; requests that generate little and those that generate much come back at different
-        rates, which the daemon learns. Returns how many of the keys are cached."""
-        body: dict = {"keys": check_keys(keys)}
-        if output_tokens is not None:
-            if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
-                raise ValueError(f"output_tokens must be an int >= 0, got {output_tokens!r}")
-            body["output_tokens"] = output_tokens
-        return int(self._call(Op.REQUEST_FINISHED, body)["cached"])
-
-    def lookup_plan(self, keys: Sequence[bytes]) -> dict[str, Any]:
-        """Per leading cached block: ``tiers``, ``ready`` (in host memory now), and ``fetch``: how many
-        leading blocks are worth fetching rather than recomputing, from the daemon's measured tier
-        speeds and the recompute speed reported with :meth:`report_recompute`; ``prefix_recompute_s``:
-        the seconds recomputing the first 1, 2, ... of ``keys`` would take, and ``recompute_source``:
-        ``measured``, ``engine`` or ``prior`` (the daemon's default: nothing reported yet)."""
-        return self._call(Op.PLAN, {"keys": check_keys(keys)})
-
-    def report_recompute(self, tokens: int, seconds: float) -> float:
-        """Tell the cost model how fast this engine prefills (``tokens`` in ``seconds``)."""
-        return float(self._call(Op.RECOMPUTE, {"tokens": int(tokens), "seconds": float(seconds)})["tokens_per_s"])
 
     def get_prefix(self, keys: Sequence[bytes], timeout: float | None = None) -> torch.Tensor:
         """The leading blocks worth loading, as one tensor ``[m, 2, L, H, T, D]`` (``m`` may be 0).

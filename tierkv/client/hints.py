@@ -75,3 +75,28 @@ class Hints(Connection):
     def ping(self) -> dict[str, Any]:
         """Round trip to the daemon."""
         return self._call(Op.PING, {})
+
+    def request_finished(self, keys: Sequence[bytes], output_tokens: int | None = None) -> int:
+        """Tell the daemon a request finished: ``keys`` (its chained block keys, prompt and output, in
+        order) are a conversation tail the next turn may extend, so the daemon keeps them (writes them
+        to disk when they leave host memory). ``output_tokens``: how many tokens the request
+        generated; requests that generate little and those that generate much come back at different
+        rates, which the daemon learns. Returns how many of the keys are cached."""
+        body: dict = {"keys": check_keys(keys)}
+        if output_tokens is not None:
+            if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
+                raise ValueError(f"output_tokens must be an int >= 0, got {output_tokens!r}")
+            body["output_tokens"] = output_tokens
+        return int(self._call(Op.REQUEST_FINISHED, body)["cached"])
+
+    def lookup_plan(self, keys: Sequence[bytes]) -> dict[str, Any]:
+        """Per leading cached block: ``tiers``, ``ready`` (in host memory now), and ``fetch``: how many
+        leading blocks are worth fetching rather than recomputing, from the daemon's measured tier
+        speeds and the recompute speed reported with :meth:`report_recompute`; ``prefix_recompute_s``:
+        the seconds recomputing the first 1, 2, ... of ``keys`` would take, and ``recompute_source``:
+        ``measured``, ``engine`` or ``prior`` (the daemon's default: nothing reported yet)."""
+        return self._call(Op.PLAN, {"keys": check_keys(keys)})
+
+    def report_recompute(self, tokens: int, seconds: float) -> float:
+        """Tell the cost model how fast this engine prefills (``tokens`` in ``seconds``)."""
+        return float(self._call(Op.RECOMPUTE, {"tokens": int(tokens), "seconds": float(seconds)})["tokens_per_s"])

@@ -40,11 +40,12 @@ class Slots:
 
     def commit(self, keys: Sequence[bytes], durable: bool = False,
                chains: Sequence[tuple[int, bytes | None]] | None = None, remote: bool = False,
-               tokens: Any = None, uses: Sequence[bytes] = ()) -> int:
+               tokens: Any = None, uses: Sequence[bytes] = (), tenants: Any = None) -> int:
         """Publish the slots under ``keys``; returns how many were new. ``remote=True`` returns once
         they are written through to the remote tier; ``uses`` are cached blocks skipped rather than
         written again. See :meth:`Client.commit`."""
         return self._client.commit(keys, self, durable=durable, chains=chains, remote=remote, tokens=tokens,
+                                   tenants=tenants,
                                    uses=uses)
 
     def abort(self) -> None:

@@ -106,3 +106,16 @@ def chain_keys(fingerprint: bytes, token_ids: Sequence[int] | np.ndarray, block_
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def salt_root(fingerprint: bytes, salt: str | None, adapter: str | None = None) -> bytes | None:
+    """The parent key a request's chain starts from: None (the shared root) without a salt or an adapter,
+    else a digest of them under the namespace, so tenants with different salts, and requests through
+    different adapters (or none), share no key."""
+    if adapter:
+        text = b"tierkv/adapter|" + adapter.encode() + (b"|cache_salt|" + salt.encode() if salt else b"")
+        return hashlib.blake2b(text, digest_size=KEY_BYTES, key=fingerprint).digest()
+    if not salt:
+        return None
+    return hashlib.blake2b(b"tierkv/cache_salt|" + salt.encode(), digest_size=KEY_BYTES,
+                           key=fingerprint).digest()

@@ -10,12 +10,18 @@ import threading
 from typing import TYPE_CHECKING
 
 from tierkv.cache.costmodel import CostModel
-from tierkv.cache.counters import TierCounters
-from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
+from tierkv.cache.disk_manager import DiskManager
+from tierkv.cache.gpu_manager import GpuManager
+from tierkv.cache.host_manager import HostManager
+from tierkv.cache.host_outflow import HostOutflow
+from tierkv.cache.managers import TierManagers
 from tierkv.cache.policy import make_policy as _lru
+from tierkv.cache.quotas import Quotas
+from tierkv.cache.remote_manager import RemoteManager
 from tierkv.cache.reuse import History
 from tierkv.cache.store_gate import StoreGate
 from tierkv.cache.table import BlockTable
+from tierkv.cache.tier_changes import TierChanges
 from tierkv.cache.wiring import host_reuse
 from tierkv.daemon import learned, scrub
 from tierkv.daemon.busy_cores import BusyCores
@@ -53,7 +59,7 @@ class BlockStore:
     def __init__(self, cfg: Config, data_dir: str) -> None:
         """Open the tiers, rebuild the records of what is on disk and start the evictor."""
         self.ctx, self.data_dir = Context(cfg), data_dir
-        self.table = table = BlockTable(cfg.server.lookup_index_slots)
+        table = BlockTable(cfg.server.lookup_index_slots)
         self.tiers = open_tiers(cfg, data_dir)
         self.host, self.disk, self.remote, self.gpu = self.tiers.host, self.tiers.disk, self.tiers.remote, None
         # One use history for both tiers (heat survives demotion), bounded (~150 B a record). The host's
@@ -63,8 +69,6 @@ class BlockStore:
         self.host_reuse = host_reuse(HISTORY_ENTRIES)
         self.admission = make_admission(cfg, self.history, HISTORY_ENTRIES)
         learned.load(learned_models(self.host_reuse, self.admission), data_dir)
-        self.diskp = DiskPlacement(table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg,
-                                   lambda: self.disk.capacity if self.disk is not None else 0, stored_size)
         self.cost = CostModel(lock=threading.Lock())  # fetch or recompute: fed the rates the loads measure
         self.engine = TransferEngine(self.disk, cfg.disk.workers, cfg.disk.codec, cfg.disk.codec_level,
                                      write_batch=cfg.disk.write_batch,
@@ -75,18 +79,30 @@ class BlockStore:
                                      background_idle=cfg.disk.write_behind_idle, cpu_share=self._cpu_share(cfg))
         if self.remote is not None:
             self.engine.attach_remote(self.remote)
-        self.hostp = HostPlacement(table, self.host, make_host_policy(cfg, self.history, self.host_reuse),
-                                   self.diskp, self.disk is not None, self.host_reuse, self.admission, cfg,
-                                   lambda: self.engine.store_backlog() == 0)
-        self.diskp.needed_above = self.hostp.holds_children
-        self.remote_counters = TierCounters()  # the remote tier's figures (it has no placement)
-        self.gpup = self._attach_gpu()
+        self.m = self._managers(cfg, table)
+        self.table, self.hostm, self.diskm, self.gpum = table, self.m.host, self.m.disk, self.m.gpu
         self._wire()
         if self.disk is not None:
-            scrub.save_scan(data_dir, scrub.scan_disk(self.disk, table, self.diskp))
+            scrub.save_scan(data_dir, scrub.scan_disk(self.disk, table, self.diskm))
         if self.events is not None:
             self.events.start()
         self.evictor.start()
+        self.retention.restore()
+
+    def _managers(self, cfg: Config, table: BlockTable) -> TierManagers:
+        """A manager per tier (one whose tier is off says so), and the host tier's outflow to disk."""
+        changes, quotas = TierChanges(), Quotas()
+        disk = self.disk
+        diskm = DiskManager(table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg.disk,
+                            lambda: disk.capacity if disk is not None else 0, stored_size, changes,
+                            present=disk is not None, quotas=quotas)
+        hostm = HostManager(table, self.host, make_host_policy(cfg, self.history, self.host_reuse), diskm,
+                            self.host_reuse, self.admission, (cfg.host, cfg.disk),
+                            lambda: self.engine.store_backlog() == 0, changes, quotas)
+        diskm.needed_above = hostm.holds_children
+        gpum = GpuManager(table, self._attach_gpu(), _lru("lru"), diskm, changes)
+        return TierManagers(table, gpum, hostm, diskm, RemoteManager(changes, self.remote is not None),
+                            HostOutflow(hostm, self.admission), changes, quotas)
 
     def _cpu_share(self, cfg: Config) -> CpuShare:
         """The share of the cores demotions and write-behind take while the engine keeps them busy (as
@@ -95,8 +111,8 @@ class BlockStore:
         return CpuShare(cfg.disk.background_share,
                         lambda: not busy.idle(self.ctx.cfg.host.write_behind_idle_cores or 0.5))
 
-    def _attach_gpu(self) -> GpuPlacement | None:
-        """The GPU tier's placement (device slots are few and clean once drained: plain recency)."""
+    def _attach_gpu(self) -> DevicePool | None:
+        """The GPU tier's device pool, attached to the transfer engine (None: the GPU tier is off)."""
         if (gpu := self.tiers.gpu) is None:
             return None
         try:
@@ -105,33 +121,25 @@ class BlockStore:
             gpu.close()
             raise
         self.gpu = gpu
-        return GpuPlacement(self.table, gpu, _lru("lru"), self.diskp)
+        return gpu
 
     def _wire(self) -> None:
         """Make the paths, each with the few objects it uses."""
-        ctx, table, host, hostp, diskp, engine = self.ctx, self.table, self.host, self.hostp, self.diskp, self.engine
-        disk_on, models = self.disk is not None, (self.host_reuse, self.admission)
-        wakeup = threading.Event()  # the evictor's: set by a kick and by every disk write that settles
-        self.transfers = tr = TierJobs(ctx, table, host, hostp, diskp, engine, self.cost, self.disk, self.remote,
-                                       self.remote_counters, wakeup.set)
-        self.evictor = Evictor(ctx, table, hostp, tr, engine, disk_on, wakeup)
-        kick = self.evictor.kick
-        self.slots = Slots(ctx, hostp, self.gpup, kick)
-        self.gpu_path = self.evictor.drains = None if self.gpu is None or self.gpup is None else GpuPath(
-            ctx, table, host, self.gpu, self.gpup, hostp, self.slots, tr, engine, kick)
+        ctx, m = self.ctx, self.m
+        self.transfers = tr = TierJobs(ctx, m, self.tiers, self.engine, self.cost)
+        self.slots = Slots(ctx, m.host, m.gpu)
+        self.gpu_path = None if self.gpu is None else GpuPath(ctx, m, self.gpu, self.slots, tr)
+        self.evictor = Evictor(ctx, m, tr, self.gpu_path)
         self.gate = StoreGate(ctx.cfg.store.gate, min_return=ctx.cfg.store.min_return)
-        self.signals = Signals(ctx, table, hostp, diskp, *models, disk_on, self.gate, self.cost)
-        self.store_path = StorePath(ctx, table, host, hostp, self.slots, tr, self.signals, kick, disk_on,
-                                    self.remote, self.gpu_path)
-        self.fetch_path = FetchPath(ctx, table, host, hostp, self.slots, tr, self.signals, self.cost, self.remote,
-                                    self.gpu_path)
-        self.retention = Retention(ctx, table, host, hostp, diskp, self.gpup, self.disk, tr, self.fetch_path)
-        self.sessions = Sessions(ctx, table, host, self.gpu)
-        self.tuner = Tuner(ctx, table, host, self.disk, hostp, diskp, self.history, *models, engine, kick, tr.trim_disk,
-                           self.gate)
-        self.events = open_events(ctx.cfg.events, table, ctx.lock, self.data_dir if disk_on else None)
-        self.snapshots = Snapshots(ctx, table, self.tiers, hostp, diskp, self.gpup, *models, engine, self.cost, self.events,
-                                   self.remote_counters)
+        self.signals = Signals(ctx, m, (self.host_reuse, self.admission), self.gate, self.cost)
+        self.store_path = StorePath(ctx, m, self.slots, tr, self.signals)
+        self.fetch_path = FetchPath(ctx, m, self.slots, tr)
+        self.retention = Retention(ctx, m, tr, self.fetch_path, self.data_dir if m.disk.present else None)
+        self.sessions = Sessions(ctx, m, self.host, self.gpu)
+        self.tuner = Tuner(ctx, m, tr, (self.history, self.host_reuse, self.admission), self.gate)
+        self.events = open_events(ctx.cfg.events, m.table, m.changes, ctx.lock,
+                                  self.data_dir if m.disk.present else None)
+        self.snapshots = Snapshots(ctx, m, tr, (self.host_reuse, self.admission), self.events)
 
     def close(self, timeout: float) -> None:
         """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and the pools."""

@@ -1,6 +1,7 @@
 """What every path of the block store shares: one lock, the condition its waiters wait on, the running
-settings, the closing flag and the health reason. Waits on the condition are woken by ``notify``
-whenever blocks become free, clean or settled; a wait ends at its deadline or when the store closes."""
+settings, the closing flag, the health reason and the evictor's wake-up. Waits on the condition are woken
+by ``notify`` whenever blocks become free, clean or settled; a wait ends at its deadline or when the
+store closes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tierkv.daemon.config import Config
 
 
 class Context:
-    """The store's lock and condition, its settings and its lifecycle flags."""
+    """The store's lock and condition, its settings, its lifecycle flags and the evictor's wake-up."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -19,10 +20,17 @@ class Context:
         self.changed = threading.Condition(self.lock)
         self.closing = False
         self.degraded = ""  # why the store is degraded ("" when healthy)
+        self.wakeup = threading.Event()  # runs the evictor soon: set by kick and by every disk write that settles
+        self.force = False  # the next evictor pass demotes at least a slab, even below the high watermark
 
     def notify(self) -> None:
         """Wake every waiter (a block became free, clean or settled). Lock held."""
         self.changed.notify_all()
+
+    def kick(self, force: bool = False) -> None:
+        """Ask the evictor to run soon; ``force``: demote even below the high watermark."""
+        self.force = force or self.force
+        self.wakeup.set()
 
     def wait_until(self, deadline: float) -> bool:
         """Wait on the condition until notified or ``deadline`` (monotonic seconds); False once the
@@ -38,3 +46,4 @@ class Context:
         with self.lock:
             self.closing = True
             self.changed.notify_all()
+        self.wakeup.set()

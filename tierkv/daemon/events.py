@@ -36,8 +36,8 @@ from tierkv.core.keys import FINGERPRINT_BYTES
 from tierkv.daemon.config import EventsConfig
 
 if TYPE_CHECKING:
-    from tierkv.cache.block import Block
     from tierkv.cache.table import BlockTable
+from tierkv.cache.tier_changes import TierChanges
 
 log = logging.getLogger("tierkv.events")
 
@@ -169,19 +169,15 @@ def _attach(sock: zmq.Socket, endpoint: str) -> None:
 class KvEvents:
     """The changes the block table reports, turned into batches of KV events on one thread."""
 
-    def __init__(self, cfg: EventsConfig, table: BlockTable, lock: Any, data_dir: str | None) -> None:
-        self.cfg, self.table, self.lock = cfg, table, lock
-        self.pending: list[tuple[Block, str, bool, float]] = []
+    def __init__(self, cfg: EventsConfig, table: BlockTable, changes: TierChanges, lock: Any,
+                 data_dir: str | None) -> None:
+        self.cfg, self.table, self.changes, self.lock = cfg, table, changes, lock
         self.stats = EventCounters()
         self.tokens = TokenStore(Path(data_dir) / "kv-events") if data_dir else None
         self.publisher = Publisher(cfg.endpoint, cfg.replay_endpoint, cfg.topic, cfg.buffer_steps)
         self._publish([{"type": "AllBlocksCleared"}], time.monotonic())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def observe(self, b: Block, tier: str, held: bool) -> None:
-        """The table's observer: ``b`` gained (``held``) or lost its copy in ``tier``. Lock held."""
-        self.pending.append((b, tier, held, time.monotonic()))
 
     def start(self) -> None:
         """Publish from now on; drops token-store entries of blocks the disk no longer holds."""
@@ -202,7 +198,7 @@ class KvEvents:
     def flush(self) -> None:
         """Publish the changes reported so far as one batch (publisher thread, or at close)."""
         with self.lock:
-            batch, self.pending = self.pending, []
+            batch = self.changes.take()
             if not batch:
                 return
             rows = [(b.fk, tier, held, b.parent, b.tokens, self._ns(b.fk), t) for b, tier, held, t in batch]
@@ -271,10 +267,13 @@ class KvEvents:
             self.tokens.close()
 
 
-def open_events(cfg: EventsConfig, table: BlockTable, lock: Any, data_dir: str | None) -> KvEvents | None:
-    """The daemon's KV events when ``events.endpoint`` is set (observing ``table``), else None."""
+def open_events(cfg: EventsConfig, table: BlockTable, changes: TierChanges, lock: Any,
+                data_dir: str | None) -> KvEvents | None:
+    """The daemon's KV events when ``events.endpoint`` is set (taking the tier managers' ``changes``,
+    the copies ``table``'s records hold already first), else None."""
     if not cfg.endpoint:
         return None
-    events = KvEvents(cfg, table, lock, data_dir)
-    table.observe(events.observe)
+    events = KvEvents(cfg, table, changes, lock, data_dir)
+    with lock:
+        changes.start(table.records())
     return events

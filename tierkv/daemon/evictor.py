@@ -8,13 +8,12 @@ import logging
 import threading
 import time
 
-from tierkv.cache.placement import HostPlacement
-from tierkv.cache.table import BlockTable
+from tierkv.cache.managers import TierManagers
 from tierkv.daemon.busy_cores import BusyCores
 from tierkv.daemon.context import Context
 from tierkv.daemon.gpupath import GpuPath
 from tierkv.daemon.tier_jobs import TierJobs
-from tierkv.movers.engine import Job, TransferEngine
+from tierkv.movers.engine import Job
 
 log = logging.getLogger("tierkv.table")
 
@@ -33,19 +32,17 @@ WRITE_BEHIND_BUSY_EVERY_S = 1.0
 class Evictor:
     """Runs when kicked (a store filled the tier, a write finished) and every half second."""
 
-    def __init__(self, ctx: Context, table: BlockTable, hostp: HostPlacement, transfers: TierJobs,
-                 engine: TransferEngine, disk_on: bool, wakeup: threading.Event) -> None:
-        """``wakeup`` runs the evictor soon when set: by :meth:`kick`, and by every disk write that
-        settles (demotion and write-behind wait on them)."""
+    def __init__(self, ctx: Context, m: TierManagers, transfers: TierJobs, drains: GpuPath | None) -> None:
+        """It runs soon whenever ``ctx.wakeup`` is set: by :meth:`Context.kick`, and by every disk write
+        that settles (demotion and write-behind wait on them). ``drains``: the GPU path (None: no GPU tier)."""
         self.ctx = ctx
-        self.table = table
-        self.hostp = hostp
+        self.m = m
+        self.table = m.table
+        self.outflow = m.outflow
         self.transfers = transfers
-        self.engine = engine
-        self.disk_on = disk_on
-        self.drains: GpuPath | None = None  # the GPU path, when the GPU tier is on
-        self._kick = wakeup
-        self._force = False
+        self.engine = transfers.engine
+        self.disk_on = m.disk.present
+        self.drains = drains
         self._wb_job: Job | None = None  # the write-behind batch in flight
         self._busy = BusyCores()
         self._dropped_seen = 0  # the host tier's dropped_unwritten when the last batch started
@@ -56,23 +53,18 @@ class Evictor:
         """Start the thread."""
         self._thread.start()
 
-    def kick(self, force: bool = False) -> None:
-        """Run soon; ``force``: demote at least a slab even below the high watermark."""
-        self._force = force or self._force
-        self._kick.set()
-
     def stop(self) -> None:
         """Stop the thread (the store is closing)."""
-        self._kick.set()
+        self.ctx.wakeup.set()
         self._thread.join(5)
 
     def _loop(self) -> None:
         while not self.ctx.closing:
-            self._kick.wait(0.5)
-            self._kick.clear()
+            self.ctx.wakeup.wait(0.5)
+            self.ctx.wakeup.clear()
             try:
                 self._demote_once()
-                if self.drains is not None and self.drains.undrained:
+                if self.drains is not None and self.m.gpu.undrained:
                     self.drains.retry_drains()
                 self._write_behind()
             except Exception:
@@ -82,15 +74,15 @@ class Evictor:
         """Write dirty victims back, then free their slots (clean victims are dropped at once)."""
         ctx = self.ctx
         with ctx.lock:
-            force, self._force = self._force, False
-            dirty = self.hostp.demotion(force)
+            force, ctx.force = ctx.force, False
+            dirty = self.outflow.demotion(force)
             ctx.notify()
             job = self.transfers.store(dirty, background=ctx.cfg.disk.demote_idle, bounded=True) if dirty else None
         if job is None:
             return
         job.wait()
         with ctx.lock:
-            self.hostp.demoted(dirty)
+            self.outflow.demoted(dirty)
             ctx.notify()
 
     def _write_behind(self) -> None:
@@ -102,19 +94,19 @@ class Evictor:
         busy = cores > 0 and not self._busy.idle(cores)  # read every pass: the window stays recent
         if self._wb_job is not None and not self._wb_job.done.is_set():
             return  # one batch at a time; its completion wakes the evictor for the next
-        if not self.hostp.write_behind_due():
+        if not self.outflow.write_behind_due():
             return
-        dropped, now = self.hostp.stats.dropped_unwritten, time.monotonic()
+        dropped, now = self.m.host.stats.dropped_unwritten, time.monotonic()
         if busy:
             if dropped == self._dropped_seen or now - self._busy_batch_at < WRITE_BEHIND_BUSY_EVERY_S:
-                self.hostp.write_behind_waits += 1  # a batch deferred: asked again within half a second
+                self.outflow.write_behind_waits += 1  # a batch deferred: asked again within half a second
                 return
             self._busy_batch_at = now  # stores are losing blocks: a paced batch all the same
         self._dropped_seen = dropped
         with self.ctx.lock:
             batch = min(self.engine.writes.batch_bytes, WRITE_BEHIND_BATCH_BYTES,
-                        int(self.hostp.limit * WRITE_BEHIND_SHARE))
-            victims = self.hostp.write_behind_batch(batch)
+                        int(self.m.host.limit * WRITE_BEHIND_SHARE))
+            victims = self.outflow.write_behind_batch(batch)
             if victims:  # a paced batch encodes at ``disk.write_nice``: the idle class gets no core now
                 self._wb_job = self.transfers.store(victims, background=not busy)
 

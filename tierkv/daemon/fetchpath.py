@@ -6,42 +6,34 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING
 
 from tierkv.cache.block import Block, Session, fetch_source, tier_of
 from tierkv.cache.costmodel import CostModel, Run
-from tierkv.cache.placement import HostPlacement
-from tierkv.cache.table import BlockTable, unlease
+from tierkv.cache.managers import TierManagers
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.core.prefix import tier_tokens
 from tierkv.daemon.context import Context
-from tierkv.daemon.gpupath import GpuPath
-from tierkv.daemon.signals import Signals
 from tierkv.daemon.slots import Slots
 from tierkv.daemon.tier_jobs import TierJobs
-from tierkv.tiers.host import HostPool, slot_size_for
-
-if TYPE_CHECKING:
-    from tierkv.tiers.remote import RemoteTier
+from tierkv.tiers.host import slot_size_for
 
 
 class FetchPath:
     """Lookups, fetches into host (or GPU) memory, waits, prefetches and plans."""
 
-    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, hostp: HostPlacement, slots: Slots,
-                 transfers: TierJobs, signals: Signals, cost: CostModel, remote: RemoteTier | None,
-                 gpu_path: GpuPath | None) -> None:
+    def __init__(self, ctx: Context, m: TierManagers, slots: Slots, transfers: TierJobs) -> None:
+        """The managers it sequences, the slots it takes, and the tier jobs it starts (loads, copies down
+        from the GPU, the remote tier's lookups; the cost model a plan reads)."""
         self.ctx = ctx
-        self.table = table
-        self.host = host
-        self.hostp = hostp
+        self.m = m
+        self.table = m.table
+        self.host = transfers.host
+        self.hostm = m.host
         self.slots = slots
         self.transfers = transfers
-        self.signals = signals
-        self.cost = cost
-        self.remote = remote
-        self.gpu_path = gpu_path
+        self.cost: CostModel = transfers.cost
+        self.remote = transfers.remote
         self._warm: dict[bytes, tuple[Block, int]] = {}  # prefetched, not used since: (block, its hits then)
 
     def lookup(self, fp: bytes, keys: list[bytes]) -> list[str]:
@@ -85,20 +77,9 @@ class FetchPath:
         return n
 
     # ---- fetch ------------------------------------------------------------------------------------
-    def fetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object = "host") -> int:
-        """Start leasing the cached prefix of ``keys`` in ``tier`` memory; returns a ticket for
-        :meth:`wait`. Never blocks on the disk; GPU slots are promoted in the background."""
-        self.signals.requested(s, keys)
-        if self.slots.tier(tier) != "gpu":
-            return self._fetch_host(s, ns, keys)
-        assert self.gpu_path is not None  # slots.tier checked that the GPU tier is on
-        leased, tiers = self.gpu_path.promote(s, ns, keys, lease=True)
-        with self.ctx.lock:
-            self.table.count_fetch(s.fp, len(keys), len(leased))
-            return self.table.open_ticket(s, leased, tiers, "gpu")
-
-    def _fetch_host(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
-        """Lease the cached prefix in host memory: host blocks at once, colder ones as they arrive."""
+    def fetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
+        """Start leasing the cached prefix of ``keys`` in host memory (host blocks at once, colder ones as
+        they arrive); returns a ticket for :meth:`wait`. Never blocks on the disk."""
         slot = slot_size_for(ns.layout.block_bytes)
         leased: list[Block] = []
         tiers: list[str] = []
@@ -107,14 +88,14 @@ class FetchPath:
             for k in keys:
                 b = self.table.get(s.fp + k)
                 if b is None:
-                    self.hostp.missed()
+                    self.hostm.missed()
                     break
                 source = self._lease_source(b, slot, loads)
                 if source is None:
                     break
                 tiers.append(source)
-                b.leases += 1
-                self.hostp.touch(b)
+                self.hostm.lease(b)
+                self.hostm.touch(b)
                 leased.append(b)
             if loads:
                 self.transfers.load(ns, loads)
@@ -128,7 +109,7 @@ class FetchPath:
     def _lease_source(self, b: Block, slot: int, loads: list[Block]) -> str | None:
         """The tier a host lease on ``b`` is served from, starting its load when it has no host slot;
         None: it cannot be leased at this point (the prefix ends). Lock held."""
-        hp = self.hostp
+        hp = self.hostm
         if b.host_off is not None:
             hp.served(b)
             return fetch_source(b)
@@ -136,8 +117,7 @@ class FetchPath:
             off = self._slot_for(b, slot)
             if off is None or b.host_off is not None or not b.on_disk:
                 return self._moved(b, off, slot, loads)
-            b.host_off = off
-            self.transfers.start_loads([b])
+            self.transfers.prepare_load(b, off)
             loads.append(b)
             hp.missed()
             return "disk"
@@ -147,9 +127,7 @@ class FetchPath:
             off = self._slot_for(b, slot)
             if off is None or b.host_off is not None or b.gpu_off is None or b.gpu_loading is not None:
                 return self._moved(b, off, slot, loads)
-            b.host_off = off
-            assert self.gpu_path is not None  # b holds a GPU slot: the GPU tier is on
-            self.gpu_path.copy_to_host([b])
+            self.transfers.copy_down(b, off)
             hp.missed()
             return "gpu"
         return None
@@ -195,9 +173,10 @@ class FetchPath:
                 if fk in table:  # room was made with the lock released: it may have appeared
                     self.host.free(off)
                     break
-                b = Block(fk, ns.layout.block_bytes, host_off=off, on_remote=True, leases=1)
-                self.transfers.start_loads([b])
-                table.add(b)
+                b = table.add(Block(fk, ns.layout.block_bytes))
+                self.m.remote.found(b)
+                self.transfers.prepare_load(b, off)
+                self.hostm.lease(b)
                 loads.append(b)
                 leased.append(b)
                 tiers.append("remote")
@@ -205,15 +184,15 @@ class FetchPath:
                 return
         self.transfers.load_remote(loads)
 
-    def acquire(self, s: Session, ns: Namespace, keys: list[bytes], tier: object = "host"
-                ) -> tuple[int, list[int], list[str]]:
-        """Lease the longest cached prefix in host (or GPU) memory, waiting for its promotions:
-        :meth:`fetch`, then :meth:`wait` without a timeout."""
-        return self.wait(s, self.fetch(s, ns, keys, tier), None)
+    def acquire(self, s: Session, ns: Namespace, keys: list[bytes]) -> tuple[int, list[int], list[str]]:
+        """Lease the longest cached prefix in host memory, waiting for its promotions: :meth:`fetch`,
+        then :meth:`wait` without a timeout."""
+        return self.wait(s, self.fetch(s, ns, keys), None)
 
     # ---- wait -------------------------------------------------------------------------------------
     def wait(self, s: Session, ticket: int, timeout: float | None) -> tuple[int, list[int], list[str]]:
-        """Turn a ticket into a lease on the exact prefix that arrived within ``timeout`` seconds.
+        """Turn a ticket (of a host or a GPU fetch) into a lease on the exact prefix that arrived within
+        ``timeout`` seconds.
 
         Blocks still loading after the timeout are cut off (a partial result is normal); their loads
         finish in the background and stay cached.
@@ -232,8 +211,9 @@ class FetchPath:
                 cut = i
                 break
         with self.ctx.lock:
+            manager = self.m.gpu if gpu else self.hostm
             for b in leased[cut:]:
-                unlease(b, tier)
+                manager.unlease(b)
             lease = self.table.hold(s, ticket, leased[:cut], tier)
             self.ctx.notify()
             offs: list[int] = []
@@ -244,15 +224,7 @@ class FetchPath:
             return lease.id, offs, tiers[:cut]
 
     # ---- prefetch and plan ------------------------------------------------------------------------
-    def prefetch(self, s: Session, ns: Namespace, keys: list[bytes], tier: object) -> int:
-        """Warm the cached prefix in host (or GPU) memory in the background; returns loads started."""
-        self.signals.requested(s, keys)
-        if self.slots.tier(tier) == "gpu":
-            assert self.gpu_path is not None  # slots.tier checked that the GPU tier is on
-            return len(self.gpu_path.promote(s, ns, keys, lease=False)[0])
-        return self._prefetch_host(s, ns, keys)
-
-    def _prefetch_host(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
+    def prefetch(self, s: Session, ns: Namespace, keys: list[bytes]) -> int:
         """Promote the disk-only blocks of the cached prefix into host memory; returns loads started.
 
         Prefetched blocks not used yet hold at most ``host.prefetch_fraction`` of the host tier, and
@@ -267,21 +239,21 @@ class FetchPath:
                     if room <= 0:
                         break
                     try:
-                        b.host_off = self.slots.host(slot, wait=False, drop_dirty=False)
+                        off = self.slots.host(slot, wait=False, drop_dirty=False)
                     except TierFull:
                         break
-                    self.transfers.start_loads([b])
+                    self.transfers.prepare_load(b, off)
                     loads.append(b)
                     self._warm[b.fk] = (b, b.hits)
                     room -= 1
             if loads:
-                self.hostp.prefetching(len(loads))
+                self.hostm.prefetching(len(loads))
                 self.transfers.load(ns, loads)
         return len(loads)
 
     def _prefetch_room(self, slot: int) -> int:
         """Blocks a prefetch may still bring in under the budget (forgets blocks used or gone). Lock held."""
-        hp = self.hostp
+        hp = self.hostm
         for fk, (b, hits) in list(self._warm.items()):
             if b.host_off is None or b.hits != hits or b.leases > 0:
                 del self._warm[fk]

@@ -11,13 +11,15 @@ import socket
 from typing import Any, Protocol
 
 from tierkv.cache import tuning
-from tierkv.cache.block import Session, validate_chains, validate_keys, validate_tokens
+from tierkv.cache.block import Session, validate_chains, validate_keys, validate_tenants, validate_tokens
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
 from tierkv.core.protocol import Op
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
+from tierkv.daemon.gpupath import GpuPath
+from tierkv.daemon.samples import SampleRing
 from tierkv.daemon.sessions import namespace
 
 SENT = object()  # a handler's result when it sent its reply itself (HELLO passes file descriptors)
@@ -28,7 +30,7 @@ class Served(Protocol):
 
     cfg: Config  # replaced by TUNE
     store: BlockStore | None
-    samples: Any  # the sample ring, or None
+    samples: SampleRing | None
 
     def stats(self) -> dict:
         """The snapshot behind ``tierkv stats``."""
@@ -88,8 +90,11 @@ class Handlers:
                                     or not 0 <= timeout <= 3600):
             raise BadRequest(f"timeout must be seconds within 0..3600 or None, got {timeout!r}")
         keep = validate_keys(body.get("keep", []))
-        return {"slots": self.store.store_path.alloc(s, namespace(s), n, keys, body.get("tier", "host"), timeout,
-                                                     keep)}
+        st, ns = self.store, namespace(s)
+        gpu = self._gpu(body)
+        if gpu is not None:
+            return {"slots": gpu.alloc(s, ns, n, keys)}
+        return {"slots": st.store_path.alloc(s, ns, n, keys, timeout, keep)}
 
     def commit(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Publish written slots under their keys."""
@@ -99,11 +104,15 @@ class Handlers:
             raise BadRequest("slots must be a list")
         st, ns = self.store, namespace(s)
         tokens = validate_tokens(body.get("tokens"), len(keys), ns.layout.block_tokens)
-        return {"new": st.store_path.commit(s, ns, keys, slots, bool(body.get("durable", False)),
-                                            body.get("tier", "host"), _flag(body, "wait", True),
-                                            validate_chains(body.get("chains"), len(keys)), _flag(body, "remote", False),
-                                            tokens if st.events is not None else None,
-                                            validate_keys(body.get("uses", [])))}
+        tokens = tokens if st.events is not None else None
+        durable, remote, uses = bool(body.get("durable", False)), _flag(body, "remote", False), \
+            validate_keys(body.get("uses", []))
+        gpu = self._gpu(body)
+        if gpu is not None:
+            return {"new": gpu.commit(s, ns, keys, slots, durable, remote, tokens, uses)}
+        return {"new": st.store_path.commit(s, ns, keys, slots, durable, _flag(body, "wait", True),
+                                            validate_chains(body.get("chains"), len(keys)), remote, tokens, uses,
+                                            validate_tenants(body.get("tenants"), len(keys)))}
 
     def sync(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Wait for this connection's queued durable writes."""
@@ -115,8 +124,11 @@ class Handlers:
         slots = body.get("slots")
         if not isinstance(slots, list) or not all(type(x) is int for x in slots):
             raise BadRequest("slots must be a list of ints")
-        st = self.store
-        st.store_path.abort(s, slots, st.slots.tier(body.get("tier", "host")) == "gpu")
+        gpu = self._gpu(body)
+        if gpu is not None:
+            gpu.abort(s, slots)
+        else:
+            self.store.store_path.abort(s, slots)
         return {}
 
     def lookup(self, conn: socket.socket, s: Session, body: dict) -> dict:
@@ -131,13 +143,32 @@ class Handlers:
     def acquire(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Lease the cached prefix, waiting for promotions."""
         keys = validate_keys(body.get("keys"))
-        lease, slots, tiers = self.store.fetch_path.acquire(s, namespace(s), keys, body.get("tier", "host"))
+        ticket = self._fetch(s, keys, body)
+        lease, slots, tiers = self.store.fetch_path.wait(s, ticket, None)
         return {"lease": lease, "slots": slots, "tiers": tiers}
 
     def fetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Start leasing the cached prefix; a ticket for WAIT."""
         keys = validate_keys(body.get("keys"))
-        return {"ticket": self.store.fetch_path.fetch(s, namespace(s), keys, body.get("tier", "host"))}
+        return {"ticket": self._fetch(s, keys, body)}
+
+    def _fetch(self, s: Session, keys: list[bytes], body: dict) -> int:
+        """Start a fetch in the tier ``body`` names (a request's use of its prefix chain: the reuse
+        models learn from it); its ticket."""
+        ns, gpu = namespace(s), self._gpu(body)
+        self.store.signals.requested(s, keys)
+        return gpu.fetch(s, ns, keys) if gpu is not None else self.store.fetch_path.fetch(s, ns, keys)
+
+    def _gpu(self, body: dict) -> GpuPath | None:
+        """The GPU path when ``body`` names the GPU tier (None: the host tier).
+
+        Raises:
+            BadRequest: another tier name, or the GPU tier is off.
+        """
+        if self.store.slots.tier(body.get("tier", "host")) != "gpu":
+            return None
+        assert self.store.gpu_path is not None  # slots.tier checked that the GPU tier is on
+        return self.store.gpu_path
 
     def wait(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Turn a ticket into a lease on what arrived within the timeout."""
@@ -153,7 +184,9 @@ class Handlers:
     def prefetch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Warm the cached prefix in the background."""
         keys = validate_keys(body.get("keys"))
-        return {"started": self.store.fetch_path.prefetch(s, namespace(s), keys, body.get("tier", "host"))}
+        ns, gpu = namespace(s), self._gpu(body)
+        self.store.signals.requested(s, keys)
+        return {"started": gpu.prefetch(s, ns, keys) if gpu is not None else self.store.fetch_path.prefetch(s, ns, keys)}
 
     def plan(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Where the cached prefix is and how much is worth fetching."""

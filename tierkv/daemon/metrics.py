@@ -85,6 +85,7 @@ class StatsCollector(Collector):
         yield from _link_metrics(st["transfer"], st["tiers"].get("remote"))
         yield from _daemon_metrics(st)
         yield from _namespace_metrics(st.get("namespaces", {}))
+        yield from _tenant_metrics(st.get("tenants", {}))
         remote = st["tiers"].get("remote")
         if remote is not None:
             g = GaugeMetricFamily("tierkv_remote_breaker_state", "Remote tier circuit breaker: 1 for the "
@@ -185,10 +186,28 @@ def _namespace_metrics(namespaces: dict[str, dict]) -> Iterator[Metric]:
     yield misses
 
 
+def _tenant_metrics(tenants: dict[str, dict]) -> Iterator[Metric]:
+    used = GaugeMetricFamily("tierkv_tenant_used_bytes", "Bytes a tenant's blocks take in a tier.",
+                             labels=["tenant", "tier"])
+    quota = GaugeMetricFamily("tierkv_tenant_quota_bytes", "A tenant's quota in a tier (absent: none).",
+                              labels=["tenant", "tier"])
+    hits = CounterMetricFamily("tierkv_tenant_hits", "A tenant's blocks served to fetches.", labels=["tenant"])
+    for name, d in tenants.items():
+        for tier, n in d["used"].items():
+            used.add_metric([name, tier], n)
+            if d["quota"].get(tier) is not None:
+                quota.add_metric([name, tier], d["quota"][tier])
+        hits.add_metric([name], d["hits"])
+    yield used
+    yield quota
+    yield hits
+
+
 class Metrics:
     """The registry of one daemon: its stats collector and the request latency histogram."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any, control: Any = None) -> None:
+        """``control``: the :class:`~tierkv.daemon.control.Control` that answers ``/v1/...`` (None: 404)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(server))
         self.latency = Histogram("tierkv_request_duration_seconds", "Time to serve a request, by op.",
@@ -196,6 +215,7 @@ class Metrics:
         self._children: dict[int, Any] = {}
         self._http: Any = None
         self._server = server
+        self._control = control
 
     def observe(self, op: int, seconds: float) -> None:
         """Record one request's latency (called from the dispatch loop with the opcode)."""
@@ -213,7 +233,7 @@ class Metrics:
         (host, port)."""
         host, port = parse_addr(addr)
         try:
-            self._http = ThreadingHTTPServer((host, port), _handler(self.registry, self._server))
+            self._http = ThreadingHTTPServer((host, port), _handler(self.registry, self._server, self._control))
         except OSError as exc:
             raise TierKVError(f"cannot serve metrics on {addr}: {exc.strerror or exc}") from None
         self._http.daemon_threads = True
@@ -230,24 +250,40 @@ class Metrics:
             self._http = None
 
 
-def _handler(registry: CollectorRegistry, server: Any) -> type:
-    """The request handler: ``/lookup`` here, everything else Prometheus's exposition."""
+def _handler(registry: CollectorRegistry, server: Any, control: Any) -> type:
+    """The request handler: ``/lookup`` here, ``/v1/...`` the control API's, everything else
+    Prometheus's exposition."""
     base = MetricsHandler.factory(registry)
 
     # A base class made at run time (prometheus_client types it as a plain ``type``): mypy cannot check it.
     class Handler(base):  # type: ignore[misc, valid-type]
         def do_GET(self) -> None:
             url = urlsplit(self.path)
+            if url.path.startswith("/v1/"):
+                return self._control("GET", url.path)
             if url.path != "/lookup":
                 return super().do_GET()
-            status, body = _lookup(server, parse_qs(url.query))
+            return self._reply(*_lookup(server, parse_qs(url.query)))
+
+        def do_POST(self) -> None:
+            self._control("POST", urlsplit(self.path).path)
+
+        def _control(self, method: str, path: str) -> None:
+            if control is None:
+                return self._reply(404, {"error": "no control API on this endpoint"})
+            n = int(self.headers.get("Content-Length") or 0)
+            if not 0 <= n <= 64 << 20:
+                return self._reply(413, {"error": "the body is larger than 64 MiB"})
+            body = self.rfile.read(n) if n else b""
+            return self._reply(*control.handle(method, path, self.headers.get("Authorization"), body))
+
+        def _reply(self, status: int, body: dict) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-            return None
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             return None

@@ -12,11 +12,13 @@ import threading
 import time
 from typing import Any
 
+from tierkv.daemon.blockstore import BlockStore
+
 log = logging.getLogger("tierkv.daemon.samples")
 _COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions")
 
 
-def take_sample(store: Any) -> dict[str, Any]:
+def take_sample(store: BlockStore) -> dict[str, Any]:
     """One sample of a :class:`~tierkv.daemon.blockstore.BlockStore`: wall time, per tier used/capacity
     bytes and counters, bytes moved per link, and the blocks fetches got from any tier (``served``)."""
     tiers: dict[str, dict[str, int]] = {}
@@ -26,8 +28,8 @@ def take_sample(store: Any) -> dict[str, Any]:
         tiers[name] = d
     links = {k: int(v) for k, v in dict(store.engine.book.link_bytes).items()}
     if store.remote is not None:
-        links["host->remote"] = int(store.remote_counters.bytes_in)
-        links["remote->host"] = int(store.remote_counters.bytes_out)
+        links["host->remote"] = int(store.m.remote.stats.bytes_in)
+        links["remote->host"] = int(store.m.remote.stats.bytes_out)
     fetched = [list(c) for c in list(store.table.ns_hits.values())]  # a copy: HELLOs may add namespaces meanwhile
     served = {"hits": sum(c[0] for c in fetched), "misses": sum(c[1] for c in fetched)}
     return {"t": round(time.time(), 3), "tiers": tiers, "links": links, "served": served}
@@ -36,7 +38,7 @@ def take_sample(store: Any) -> dict[str, Any]:
 class SampleRing:
     """The newest ``count`` samples, one every ``interval`` seconds, taken on a daemon thread."""
 
-    def __init__(self, store: Any, interval: float, count: int) -> None:
+    def __init__(self, store: BlockStore, interval: float, count: int) -> None:
         self.store = store
         self.interval = interval
         self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=count)

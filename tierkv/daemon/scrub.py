@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from tierkv.cache.block import Block
-from tierkv.cache.disk_placement import DiskPlacement
+from tierkv.cache.disk_manager import DiskManager
 from tierkv.cache.table import BlockTable
 from tierkv.movers.disk_scan import CORRUPT, EARLIER, FOREIGN, REASONS, header_of, scan_headers
 from tierkv.tiers.disk import DiskTier
@@ -22,8 +22,8 @@ log = logging.getLogger("tierkv.table")
 SCAN_FILE = "last-scan.json"
 
 
-def scan_disk(disk: DiskTier, table: BlockTable, diskp: DiskPlacement) -> dict[str, int]:
-    """Rebuild the records in ``table`` (and ``diskp``'s figures) of every block on ``disk``; a bad value
+def scan_disk(disk: DiskTier, table: BlockTable, diskm: DiskManager) -> dict[str, int]:
+    """Rebuild the records in ``table`` (and ``diskm``'s figures) of every block on ``disk``; a bad value
     is dropped. Runs at start-up, before any request. Returns the blocks kept and dropped, by reason."""
     t0 = time.perf_counter()
     bad: dict[bytes, str] = {}
@@ -31,20 +31,20 @@ def scan_disk(disk: DiskTier, table: BlockTable, diskp: DiskPlacement) -> dict[s
         if isinstance(h, str):
             bad[lk] = h
         else:
-            diskp.added(table.add(Block(lk, h.raw_len, on_disk=True, disk_bytes=stored)))
+            diskm.found(table.add(Block(lk, h.raw_len)), stored)
     # The scan reads headers through its own page walk; a value is dropped only if LMDB's own read
     # agrees that it is bad (a walk that went wrong must never cost stored blocks).
     for lk in list(bad):
         found = header_of(disk, lk)
         if found is not None and not isinstance(found[0], str):
-            diskp.added(table.add(Block(lk, found[0].raw_len, on_disk=True, disk_bytes=found[1])))
+            diskm.found(table.add(Block(lk, found[0].raw_len)), found[1])
             del bad[lk]
     counts = {why: sum(1 for w in bad.values() if w == why) for why in REASONS}
     if bad:
         disk.delete(list(bad))
-        diskp.stats.corrupt_dropped(counts[CORRUPT])
-        diskp.stats.foreign_dropped(counts[FOREIGN])
-        diskp.stats.earlier_dropped(counts[EARLIER])
+        diskm.stats.corrupt_dropped(counts[CORRUPT])
+        diskm.stats.foreign_dropped(counts[FOREIGN])
+        diskm.stats.earlier_dropped(counts[EARLIER])
     log.info("disk tier: %d blocks scanned in %.2fs; dropped %d of an earlier format, %d of another namespace "
              "than their key's, %d corrupt", len(table), time.perf_counter() - t0, counts[EARLIER],
              counts[FOREIGN], counts[CORRUPT])

@@ -42,7 +42,11 @@ class ServerConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Daemon log level (logs go to stderr)."""
     metrics_addr: str = ""
-    """Prometheus ``/metrics`` endpoint, ``HOST:PORT`` or ``PORT`` (loopback); empty: no endpoint."""
+    """Prometheus ``/metrics`` endpoint, ``HOST:PORT`` or ``PORT`` (loopback); empty: no endpoint. The
+    control API (``/v1/...``) is served beside it."""
+    control_token_file: str = ""
+    """A file holding the bearer token the control API's pin, unpin, warm and delete need (at least 16
+    characters); empty: those are refused (``GET /v1/status`` stays open)."""
     sample_interval_s: float = 1.0
     """Seconds between the samples behind ``tierkv stats --plot`` (0: no samples)."""
     sample_count: int = 900

@@ -28,6 +28,7 @@ from tierkv.core.protocol import Op
 from tierkv.daemon.blockstore import BlockStore
 from tierkv.daemon.config import Config
 from tierkv.daemon.handlers import SENT, Handlers
+from tierkv.daemon.samples import SampleRing
 
 log = logging.getLogger("tierkv.daemon.server")
 _UCRED = struct.Struct("3i")
@@ -70,7 +71,7 @@ class Server:
         self.started = time.time()
         self.requests = 0
         self.metrics: Any = None   # tierkv.daemon.metrics.Metrics while /metrics is served
-        self.samples: Any = None   # tierkv.daemon.samples.SampleRing behind `tierkv stats --plot`
+        self.samples: SampleRing | None = None  # behind `tierkv stats --plot`
         self._pids: dict[int, int] = {}  # session id -> the client's pid (SO_PEERCRED)
         self._handlers = Handlers(self).by_opcode()
 
@@ -113,15 +114,20 @@ class Server:
         print(f"tierkv: ready on {self.socket_path}", file=sys.stderr, flush=True)
 
     def _start_observers(self) -> None:
-        from tierkv.daemon.samples import SampleRing
-
+        """The sample ring and, when ``server.metrics_addr`` is set, ``/metrics`` and the control API."""
         sc = self.cfg.server
+        assert self.store is not None  # observers start after the store
         self.samples = SampleRing(self.store, sc.sample_interval_s, sc.sample_count)
         self.samples.start()
         if sc.metrics_addr:
+            from tierkv.daemon.control import Control, read_token
             from tierkv.daemon.metrics import Metrics
 
-            self.metrics = Metrics(self)
+            try:
+                token = read_token(sc.control_token_file) if sc.control_token_file else None
+            except ValueError as exc:
+                raise TierKVError(str(exc)) from None
+            self.metrics = Metrics(self, Control(self.store, token))
             host, port = self.metrics.serve(sc.metrics_addr)
             print(f"tierkv: metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
 
@@ -295,6 +301,7 @@ class Server:
             "transfer": st["transfer"],
             "events": st["events"],
             "store_gate": gate,
+            "tenants": st["tenants"],
         }
 
     def memory_figures(self) -> dict[str, int]:
@@ -304,8 +311,8 @@ class Server:
         if store is None:
             return {}
         with store.ctx.lock:
-            out = {"blocks": len(store.table), "history": len(store.history), "host_policy": len(store.hostp.policy),
-                   "disk_policy": len(store.diskp.policy)}
+            out = {"blocks": len(store.table), "history": len(store.history), "host_policy": len(store.hostm.policy),
+                   "disk_policy": len(store.diskm.policy)}
         with self._conn_lock:
             out["conns"] = len(self._conns)
         out["threads"] = threading.active_count()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tierkv.cache.block import Session
-from tierkv.cache.table import BlockTable
+from tierkv.cache.managers import TierManagers
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
 from tierkv.daemon.context import Context
@@ -23,9 +23,10 @@ def namespace(s: Session) -> Namespace:
 class Sessions:
     """Registers connections and releases what they hold."""
 
-    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, gpu: SlabAllocator | None) -> None:
+    def __init__(self, ctx: Context, m: TierManagers, host: HostPool, gpu: SlabAllocator | None) -> None:
         self.ctx = ctx
-        self.table = table
+        self.m = m
+        self.table = m.table
         self.host = host
         self.gpu = gpu
 
@@ -41,13 +42,13 @@ class Sessions:
     def release(self, s: Session, lease_ids: Iterable[int]) -> None:
         """End leases; unknown ids (double release, another client's lease) are an error."""
         with self.ctx.lock:
-            self.table.release(s, lease_ids)
+            self.m.end_leases(self.table.release(s, lease_ids))
             self.ctx.notify()
 
     def close(self, s: Session) -> None:
         """Release everything a connection held (it may have died without a word)."""
         with self.ctx.lock:
-            self.table.drop_leases(s)
+            self.m.end_leases(self.table.drop_leases(s))
             for off in s.slots:
                 self.host.free(off)
             s.slots.clear()

@@ -1,6 +1,6 @@
 """Settle helpers shared by every transfer the store starts: the moves it hands the transfer engine, and
-the completion callback that settles each block's record under the store's lock (through the placement
-of the tier the block arrived in)."""
+the completion callback that settles each block's record under the store's lock (through the managers
+of the tiers involved)."""
 
 from __future__ import annotations
 
@@ -55,10 +55,3 @@ def completion(lock: threading.Condition, blocks: Sequence[Block], each: Callabl
 
     return done
 
-
-def settle(b: Block, attr: str = "loading") -> threading.Event | None:
-    """Clear a block's load event (``loading`` or ``gpu_loading``); returns it, for the caller to set
-    once the record is settled."""
-    ev = getattr(b, attr)
-    setattr(b, attr, None)
-    return ev

@@ -10,26 +10,25 @@ import time
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session
 from tierkv.cache.costmodel import CostModel
-from tierkv.cache.placement import DiskPlacement, HostPlacement
+from tierkv.cache.managers import TierManagers
 from tierkv.cache.reuse import ReuseModel
 from tierkv.cache.store_gate import BlockCosts, StoreGate
-from tierkv.cache.table import BlockTable
 from tierkv.daemon.context import Context
 
 
 class Signals:
     """Feeds the reuse models and the policies from requests, commits and the engine's signals."""
 
-    def __init__(self, ctx: Context, table: BlockTable, hostp: HostPlacement, diskp: DiskPlacement,
-                 host_reuse: ReuseModel, admission: Admission, disk_on: bool, gate: StoreGate,
+    def __init__(self, ctx: Context, m: TierManagers, models: tuple[ReuseModel, Admission], gate: StoreGate,
                  cost: CostModel) -> None:
+        """The managers whose policies learn (and the records they keep), the reuse models (host reuse,
+        disk admission), the store gate and the cost model its offers are weighed with."""
         self.ctx = ctx
-        self.table = table
-        self.hostp = hostp
-        self.diskp = diskp
-        self.host_reuse = host_reuse
-        self.admission = admission
-        self.disk_on = disk_on
+        self.table = m.table
+        self.hostm = m.host
+        self.diskm = m.disk
+        self.host_reuse, self.admission = models
+        self.disk_on = m.disk.present
         self.gate = gate
         self.cost = cost
 
@@ -49,9 +48,9 @@ class Signals:
     def disk_referenced(self, fks: list[bytes]) -> None:
         """The blocks of chain ``fks`` that host memory does not hold are the disk tier's references
         (its policy's shadow compares orders on them). Lock held."""
-        if getattr(self.diskp.policy, "shadow", None) is None:
+        if self.diskm.policy.shadow is None:
             return  # no shadow to feed (another policy, or disk.order_shadow_rate 0): no walk per request
-        ref, table, parent = self.diskp.policy.referenced, self.table, None
+        ref, table, parent = self.diskm.policy.referenced, self.table, None
         for fk in fks:
             b = table.get(fk)
             if b is None or b.host_off is None:
@@ -60,9 +59,9 @@ class Signals:
 
     def computed(self, new: list[Block]) -> None:
         """Blocks a commit added: computed, held by no tier, so a reference at the disk's level too. Lock held."""
-        if self.disk_on and getattr(self.diskp.policy, "shadow", None) is not None:
+        if self.disk_on and self.diskm.policy.shadow is not None:
             for b in new:
-                self.diskp.policy.referenced(b.fk, b.parent)
+                self.diskm.policy.referenced(b.fk, b.parent)
 
     def stored(self, fks: list[bytes], starts: dict[int, bytes | None]) -> None:
         """A commit stored chains ``fks`` (each chain starting at an index of ``starts``). Lock held."""
@@ -108,11 +107,7 @@ class Signals:
                 if b is None:
                     continue
                 found += 1
-                b.mass = mass
-                if b.fk in self.hostp.policy:
-                    self.hostp.policy.on_touch(b.fk, mass)
-                if b.on_disk:
-                    self.diskp.policy.on_touch(b.fk, mass)
+                self.hostm.report_mass(b, mass)
         return found
 
     def learned_models(self) -> dict[str, ReuseModel]:

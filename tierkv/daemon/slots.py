@@ -7,7 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from tierkv.cache.placement import GpuPlacement, HostPlacement
+from tierkv.cache.block import Session
+from tierkv.cache.gpu_manager import GpuManager
+from tierkv.cache.host_manager import HostManager
 from tierkv.core.errors import BadRequest, TierFull
 from tierkv.daemon.context import Context
 
@@ -15,13 +17,11 @@ from tierkv.daemon.context import Context
 class Slots:
     """Hands out host slots (and GPU slots when the GPU tier is on). Called with the lock held."""
 
-    def __init__(self, ctx: Context, hostp: HostPlacement, gpup: GpuPlacement | None,
-                 kick: Callable[[bool], None]) -> None:
-        """``kick(force)`` asks the evictor to run soon (``force``: demote even below the high watermark)."""
+    def __init__(self, ctx: Context, hostm: HostManager, gpum: GpuManager) -> None:
         self.ctx = ctx
-        self.hostp = hostp
-        self.gpup = gpup
-        self.kick = kick
+        self.hostm = hostm
+        self.gpum = gpum
+        self.kick = ctx.kick  # the evictor runs soon (``force``: demote even below the high watermark)
 
     def host(self, slot: int, wait: bool = True, timeout: float | None = None, drop_dirty: bool = True) -> int:
         """A host slot, evicting clean blocks first. With ``timeout`` 0 a request never waits: blocks
@@ -33,7 +33,7 @@ class Slots:
         Raises:
             TierFull: every block is leased, moving or pinned (after the wait), or the daemon is closing.
         """
-        hp, ctx = self.hostp, self.ctx
+        hp, ctx = self.hostm, self.ctx
         deadline = None
         while True:
             off = hp.alloc_free(slot)
@@ -65,8 +65,7 @@ class Slots:
         Raises:
             TierFull: no device slot can be freed (after the wait), or the daemon is closing.
         """
-        gp, ctx = self.gpup, self.ctx
-        assert gp is not None  # GPU slots are asked for only when the GPU tier is on
+        gp, ctx = self.gpum, self.ctx
         deadline = None
         while True:
             off = gp.alloc(slot)
@@ -80,6 +79,32 @@ class Slots:
                 raise TierFull("GPU tier is full: every block is leased or being filled")
             ctx.wait_until(deadline)
 
+    def take(self, s: Session, keys: list[bytes] | None, n: int, slot: int, take: Callable[[], int],
+             owned: dict[int, int], free: Callable[[int], None]) -> list[int | None]:
+        """Slots from ``take`` for the ``n`` new blocks not cached yet (None for cached ``keys``), recorded
+        in the connection's ``owned``; all given back (``free``) if the tier fills on the way.
+
+        Raises:
+            TierFull: the tier filled.
+        """
+        table = self.hostm.table
+        out: list[int | None] = []
+        try:
+            for i in range(n):
+                if keys is not None and (s.fp + keys[i]) in table:
+                    out.append(None)
+                    continue
+                off = take()
+                owned[off] = slot
+                out.append(off)
+        except TierFull:
+            for given in out:
+                if given is not None:
+                    owned.pop(given, None)
+                    free(given)
+            raise
+        return out
+
     def tier(self, tier: object) -> str:
         """Check a tier name from the wire: "host", or "gpu" when the GPU tier is on.
 
@@ -89,7 +114,7 @@ class Slots:
         if tier == "host":
             return "host"
         if tier == "gpu":
-            if self.gpup is None:
+            if not self.gpum.present:
                 raise BadRequest("the GPU tier is off (start the daemon with --gpu-capacity)")
             return "gpu"
         raise BadRequest(f"tier must be 'host' or 'gpu', got {tier!r}")

@@ -7,36 +7,34 @@ import time
 from typing import Any
 
 from tierkv.cache.admission import Admission
-from tierkv.cache.costmodel import CostModel
 from tierkv.cache.counters import TierCounters
-from tierkv.cache.placement import DiskPlacement, GpuPlacement, HostPlacement
+from tierkv.cache.managers import TierManagers
 from tierkv.cache.reuse import ReuseModel
-from tierkv.cache.table import BlockTable
 from tierkv.daemon.context import Context
 from tierkv.daemon.events import KvEvents
-from tierkv.daemon.startup import Tiers
 from tierkv.daemon.stats import tier_snapshot
-from tierkv.movers.engine import TransferEngine
+from tierkv.daemon.tier_jobs import TierJobs
 
 
 class Snapshots:
     """Reads the figures of every tier, the table and the transfer engine."""
 
-    def __init__(self, ctx: Context, table: BlockTable, tiers: Tiers, hostp: HostPlacement, diskp: DiskPlacement,
-                 gpup: GpuPlacement | None, host_reuse: ReuseModel, admission: Admission, engine: TransferEngine,
-                 cost: CostModel, events: KvEvents | None, remote_counters: TierCounters) -> None:
+    def __init__(self, ctx: Context, m: TierManagers, transfers: TierJobs, models: tuple[ReuseModel, Admission],
+                 events: KvEvents | None) -> None:
+        """The managers' figures, the tiers, engine and cost model (through the tier jobs), the reuse
+        models' snapshots and the KV events' counters."""
         self.ctx = ctx
-        self.table = table
-        self.tiers = tiers
-        self.hostp = hostp
-        self.diskp = diskp
-        self.gpup = gpup
-        self.host_reuse = host_reuse
-        self.admission = admission
-        self.engine = engine
-        self.cost = cost
+        self.m = m
+        self.table = m.table
+        self.tiers = transfers.tiers
+        self.hostm = m.host
+        self.diskm = m.disk
+        self.gpum = m.gpu
+        self.host_reuse, self.admission = models
+        self.engine = transfers.engine
+        self.cost = transfers.cost
         self.events = events
-        self.remote_counters = remote_counters
+        self.remote_counters = m.remote.stats
         self.remote_info: tuple[float, dict | None] = (0.0, None)  # (when, remote server memory)
 
     def store(self) -> dict[str, Any]:
@@ -65,6 +63,7 @@ class Snapshots:
                 "tiers": tiers,
                 "namespaces": namespaces,
                 "events": self.events.stats.to_dict() if self.events is not None else None,
+                "tenants": self.m.quotas.snapshot(),
                 "transfer": {"inflight": e.book.inflight, "bytes": dict(e.book.link_bytes),
                              "seconds": {k: round(v, 4) for k, v in e.book.link_seconds.items()},
                              "links": {k: v.to_dict() for k, v in e.budgets.stats().items()},
@@ -73,20 +72,19 @@ class Snapshots:
 
     def _local_tiers(self) -> dict[str, dict]:
         """GPU, host and disk figures. Lock held."""
-        host, hp = self.tiers.host, self.hostp
+        host, hp = self.tiers.host, self.hostm
         records = list(self.table.records())
         host_blocks = [b for b in records if b.host_off is not None]
         live = sum(b.nbytes for b in host_blocks)
         tiers: dict[str, dict] = {}
         if self.tiers.gpu is not None:
             g = self.tiers.gpu
-            assert self.gpup is not None  # attached with the GPU tier
             gpu_blocks = [b for b in records if b.gpu_off is not None]
             gpu_live = sum(b.nbytes for b in gpu_blocks)
-            tiers["gpu"] = tier_snapshot(self.gpup.stats, capacity=g.capacity, used=g.used_bytes, blocks=len(gpu_blocks),
+            tiers["gpu"] = tier_snapshot(self.gpum.stats, capacity=g.capacity, used=g.used_bytes, blocks=len(gpu_blocks),
                                          kind=g.kind, device=g.device, fragmentation=round(g.fragmentation(gpu_live), 4),
                                          draining=sum(1 for b in gpu_blocks if b.draining),
-                                         host_pinned=self.engine.host_pinned, policy=self.gpup.policy.name)
+                                         host_pinned=self.engine.host_pinned, policy=self.gpum.policy.name)
             tiers["gpu"]["bytes_logical"] = gpu_live
             tiers["gpu"]["bytes_stored"] = g.used_bytes
         tiers["host"] = tier_snapshot(hp.stats, capacity=host.capacity, used=host.used_bytes, blocks=len(host_blocks),
@@ -94,23 +92,23 @@ class Snapshots:
                                       slabs={str(k): v for k, v in host.slab_usage().items()}, policy=hp.policy.name)
         tiers["host"].update(bytes_logical=live, bytes_stored=host.used_bytes, pinned_bytes=hp.pinned_bytes,
                              limit_bytes=hp.limit, reuse=self.host_reuse.snapshot())
-        shadow = getattr(hp.policy, "shadow", None)
+        shadow = hp.policy.shadow
         if shadow is not None:
             tiers["host"]["shadow"] = shadow.snapshot()
         disk = self.tiers.disk
         if disk is not None:
-            dp, adm, share = self.diskp, self.admission, self.engine.cpu_share
+            dp, adm, share = self.diskm, self.admission, self.engine.cpu_share
             tiers["disk"] = tier_snapshot(dp.stats, capacity=disk.capacity, used=dp.used,
                                           blocks=sum(1 for b in records if b.on_disk), codec=self.engine.writes.codec,
                                           file_bytes=disk.file_bytes(), readers=disk.readers(),
                                           policy=dp.policy.name, admission=self.ctx.cfg.disk.admission,
-                                          admitted=adm.admitted, written_behind=hp.written_behind,
-                                          write_behind_waits=hp.write_behind_waits,
+                                          admitted=adm.admitted, written_behind=self.m.outflow.written_behind,
+                                          write_behind_waits=self.m.outflow.write_behind_waits,
                                           rejected=adm.rejected, placement=adm.snapshot(),
                                           background_cpu_s=round(share.used_s, 3) if share else 0.0,
                                           background_waited_s=round(share.waited_s, 3) if share else 0.0,
-                                          idle_half_life_s=round(getattr(dp.policy, "tau", 0.0), 1))
-            shadow = getattr(dp.policy, "shadow", None)
+                                          idle_half_life_s=round(dp.policy.tau, 1))
+            shadow = dp.policy.shadow
             if shadow is not None:
                 tiers["disk"]["shadow"] = shadow.snapshot()
         return tiers
@@ -143,11 +141,10 @@ class Snapshots:
         t = self.tiers
         out = []
         if t.gpu is not None:
-            assert self.gpup is not None  # attached with the GPU tier
-            out.append(("gpu", self.gpup.stats, t.gpu.used_bytes, t.gpu.capacity))
-        out.append(("host", self.hostp.stats, t.host.used_bytes, t.host.capacity))
+            out.append(("gpu", self.gpum.stats, t.gpu.used_bytes, t.gpu.capacity))
+        out.append(("host", self.hostm.stats, t.host.used_bytes, t.host.capacity))
         if t.disk is not None:
-            out.append(("disk", self.diskp.stats, self.diskp.used, t.disk.capacity))
+            out.append(("disk", self.diskm.stats, self.diskm.used, t.disk.capacity))
         if t.remote is not None:
             info = self.remote_info[1] or {}
             out.append(("remote", self.remote_counters, info.get("used_bytes", 0), info.get("max_bytes", 0)))

@@ -3,49 +3,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tierkv.cache import tuning
 from tierkv.cache.admission import Admission
-from tierkv.cache.placement import DiskPlacement, HostPlacement
+from tierkv.cache.managers import TierManagers
 from tierkv.cache.policy import Policy
 from tierkv.cache.reuse import History, ReuseModel
 from tierkv.cache.store_gate import StoreGate
-from tierkv.cache.table import BlockTable
 from tierkv.daemon.config import Config
 from tierkv.daemon.context import Context
 from tierkv.daemon.startup import make_disk_policy, make_host_policy
-from tierkv.movers.engine import TransferEngine
-from tierkv.tiers.disk import DiskTier, stored_size
-from tierkv.tiers.host import HostPool
+from tierkv.daemon.tier_jobs import TierJobs
+from tierkv.tiers.disk import stored_size
 
 
 class Tuner:
     """Applies new settings to the placements, the policies, the tiers and the transfer engine."""
 
-    def __init__(self, ctx: Context, table: BlockTable, host: HostPool, disk: DiskTier | None,
-                 hostp: HostPlacement, diskp: DiskPlacement, history: History, host_reuse: ReuseModel,
-                 admission: Admission, engine: TransferEngine, kick: Callable[[bool], None],
-                 trim_disk: Callable[[], object], gate: StoreGate) -> None:
-        """``kick(force)`` asks the evictor to run soon (a smaller host tier demotes at once);
-        ``trim_disk()`` starts the deletes that bring the disk tier under its high watermark."""
+    def __init__(self, ctx: Context, m: TierManagers, transfers: TierJobs, models: tuple[History, ReuseModel, Admission],
+                 gate: StoreGate) -> None:
+        """The managers and the tiers that take new settings (through the tier jobs, which also trim the
+        disk), the use history and reuse models new policies are built on, and the store gate."""
         self.ctx = ctx
-        self.table = table
-        self.host = host
-        self.disk = disk
-        self.hostp = hostp
-        self.diskp = diskp
-        self.history = history
-        self.host_reuse = host_reuse
-        self.admission = admission
-        self.engine = engine
-        self.kick = kick
-        self.trim_disk = trim_disk
+        self.m = m
+        self.table = m.table
+        self.host = transfers.host
+        self.disk = transfers.disk
+        self.hostm = m.host
+        self.diskm = m.disk
+        self.history, self.host_reuse, self.admission = models
+        self.engine = transfers.engine
+        self.trim_disk = transfers.trim_disk
         self.gate = gate
 
     def set_config(self, cfg: Config) -> None:
         """New settings for every decision that reads them. Lock held."""
-        self.ctx.cfg = self.diskp.cfg = self.hostp.cfg = cfg
+        self.ctx.cfg = cfg
+        self.hostm.configure(cfg.host, cfg.disk)
+        self.diskm.configure(cfg.disk)
 
     def apply(self, new: Config, changed: set[str]) -> None:
         """Apply changed settings to the running tiers.
@@ -54,7 +48,7 @@ class Tuner:
             ValueError: a value the running daemon cannot take (nothing changed).
         """
         disk, engine = self.disk, self.engine
-        tuning.check_capacities(new, changed, self.host.capacity, disk.capacity if disk is not None else None,
+        tuning.check_capacities((new.host, new.disk), changed, self.host.capacity, disk.capacity if disk is not None else None,
                                 disk.map_size if disk is not None else 0)
         host_policy = disk_policy = None
         if tuning.policy_changed("host", changed):
@@ -69,7 +63,6 @@ class Tuner:
             self.set_config(new)
             self.admission.update(mode=new.disk.admission, shadow_rate=new.disk.shadow_rate)
             self.gate.update(mode=new.store.gate, min_return=new.store.min_return)
-            self.hostp.limit = min(self.host.capacity, new.host.capacity)
             if disk is not None:
                 disk.capacity = new.disk.capacity
             if engine.cpu_share is not None:
@@ -79,13 +72,13 @@ class Tuner:
             engine.budgets.set_rate("host<->disk", new.budget.host_disk or None)
             engine.budgets.set_rate("gpu<->host", new.budget.gpu_host or None)
             engine.budgets.set_rate("host<->remote", new.budget.host_remote or None)
-        self.kick(self.host.used_bytes > new.host.high_watermark * self.hostp.limit)
-        if disk is not None and self.diskp.used > new.disk.high_watermark * new.disk.capacity:
+        self.ctx.kick(self.host.used_bytes > new.host.high_watermark * self.hostm.limit)
+        if disk is not None and self.diskm.used > new.disk.high_watermark * new.disk.capacity:
             self.trim_disk()  # the disk shrinks to its new size
 
     def _swap_host_policy(self, policy: Policy) -> None:
         """Same policy: new weights; another: it takes over every ready host block. Lock held."""
-        hp = self.hostp
+        hp = self.hostm
         if policy.name == hp.policy.name:
             hp.policy.update(**policy.settings())
             return
@@ -96,13 +89,12 @@ class Tuner:
 
     def _swap_disk_policy(self, policy: Policy) -> None:
         """Same policy: new weights (and reuse factor); another: it takes over every block on disk. Lock held."""
-        current = self.diskp.policy
+        current = self.diskm.policy
         if policy.name == current.name:
-            if hasattr(policy, "reuse") and hasattr(current, "reuse"):  # one class: both have it or neither
-                current.reuse = policy.reuse
+            current.reuse = policy.reuse
             current.update(**policy.settings())
             return
         for b in self.table.records():
             if b.on_disk:
                 policy.on_insert(b.fk, stored_size(b.disk_bytes), b.parent)
-        self.diskp.policy = policy
+        self.diskm.policy = policy

@@ -22,6 +22,7 @@ _SERVE_FLAGS = {
     "no_disk": "disk.enabled", "policy": "host.policy", "disk_workers": "disk.workers",
     "log_level": "server.log_level", "remote": "remote.url", "remote_admission": "remote.admission",
     "gpu_capacity": "gpu.capacity", "gpu_device": "gpu.device", "metrics_addr": "server.metrics_addr",
+    "control_token_file": "server.control_token_file",
     "kv_events": "events.endpoint", "kv_events_replay": "events.replay_endpoint",
 }
 
@@ -31,7 +32,7 @@ class _Group(click.Group):
 
     LAZY = {"replay": "tierkv.ops.replay_cli", "verify": "tierkv.ops.admin_cli",
             "doctor": "tierkv.ops.admin_cli", "size": "tierkv.ops.size_cli", "top": "tierkv.ops.top",
-            "lookup": "tierkv.ops.lookup_cli", "pd-proxy": "tierkv.ops.pd_proxy"}
+            "lookup": "tierkv.ops.lookup_cli", "pd-proxy": "tierkv.ops.pd_proxy", "control": "tierkv.ops.control_cli"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -85,6 +86,8 @@ def main() -> None:
 @click.option("--gpu-device", help="GPU tier device: auto, cuda, cuda:N, or cpu (the CPU stand-in).")
 @click.option("--metrics-addr", help="Serve Prometheus /metrics on PORT or HOST:PORT (loopback unless a host "
               "is given), e.g. 127.0.0.1:9464.")
+@click.option("--control-token-file", help="A file (mode 600) with the bearer token the control API's pin, "
+              "unpin, warm and delete need (served beside /metrics).")
 @click.option("--kv-events", help="Publish KV events (vLLM's format, ZMQ PUB) on an endpoint, e.g. tcp://*:5557.")
 @click.option("--kv-events-replay", help="ZMQ ROUTER endpoint answering replay requests, e.g. tcp://*:5558.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))

@@ -27,6 +27,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
+from tierkv.cache.policy.shadow import Shadow
+
 Clock = Callable[[], float]
 Protected = Callable[[Hashable], bool]
 K = TypeVar("K", bound=Hashable)
@@ -122,6 +124,11 @@ class Policy(ABC, Generic[K]):
 
     name: ClassVar[str] = ""
     SETTINGS: ClassVar[dict[str, Setting]] = {}
+    # What the store reads of every policy; the attention family sets them, the others keep these.
+    shadow: Shadow | None = None  # the recency shadow that may take the order over (None: none)
+    shadow_on_requests: bool = False  # a colder tier's shadow is fed by its references, not by uses
+    tau: float = 0.0  # idle aging's half-life in seconds (0: off)
+    reuse: Callable[[Hashable], float] | None = None  # the reuse model that weighs blocks (None: none)
 
     def __init__(self, *, clock: Clock = time.monotonic, **settings: Any) -> None:
         self.clock = clock

@@ -31,7 +31,8 @@ RESERVOIR_SHARE = 1 / 16  # free slots held ahead: at most this share of the hos
 RECENT_STEPS = 16         # the reservoir aims at the largest store of this many recent steps
 
 # A submitted commit: client, keys, slots, the copy's ready event, prefix chains, token ids, uses.
-_Item = tuple[Client, list[bytes], Slots, Any, Sequence[tuple[int, bytes | None]] | None, Any, Sequence[bytes]]
+_Item = tuple[Client, list[bytes], Slots, Any, Sequence[tuple[int, bytes | None]] | None, Any, Sequence[bytes],
+              Sequence[tuple[int, str | None]]]
 
 
 @dataclass(slots=True)
@@ -91,13 +92,13 @@ class StoreCommitter:
 
     def submit(self, client: Client, keys: list[bytes], slots: Slots, ready: Any = None,
                chains: Sequence[tuple[int, bytes | None]] | None = None, tokens: Any = None,
-               uses: Sequence[bytes] = ()) -> None:
+               uses: Sequence[bytes] = (), tenants: Sequence[tuple[int, str | None]] = ()) -> None:
         """Commit ``slots`` under ``keys`` (prefix chains starting at ``chains``, and ``uses``, the
-        cached blocks skipped: see :meth:`Client.commit`) on the committer's thread once ``ready`` (a
+        cached blocks skipped, and ``tenants``: see :meth:`Client.commit`) on the committer's thread once ``ready`` (a
         CUDA event, or None when the copy is done) has completed."""
         with self._lock:
             self._pending += 1
-        self._queue.put((client, keys, slots, ready, chains, tokens, uses))
+        self._queue.put((client, keys, slots, ready, chains, tokens, uses, tenants))
 
     def take(self) -> Committed:
         """The counters since the last call."""
@@ -116,11 +117,11 @@ class StoreCommitter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            client, keys, slots, ready, chains, tokens, uses = item
+            client, keys, slots, ready, chains, tokens, uses, tenants = item
             try:
                 if ready is not None:
                     ready.synchronize()
-                new = slots.commit(keys, chains=chains, tokens=tokens, uses=uses)
+                new = slots.commit(keys, chains=chains, tokens=tokens, uses=uses, tenants=tenants)
                 result = Committed(stored_tokens=len(keys) * self.block_tokens, new_blocks=new)
             except TierKVError as exc:
                 log.debug("tierkv: a background commit failed: %s", exc)

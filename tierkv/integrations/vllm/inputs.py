@@ -26,25 +26,12 @@ import torch
 
 from tierkv.client.identity import adapter_identity, model_identity
 from tierkv.client.weights import MODES, weights_digest
-from tierkv.core.keys import KEY_BYTES
+from tierkv.core.keys import salt_root
 
 __all__ = ["AdapterIdentities", "IdentityUnknown", "Inputs", "RequestInputs", "TokensOnly", "engine_identity",
            "request_inputs", "salt_root"]
 
 log = logging.getLogger("vllm.tierkv")
-
-
-def salt_root(fingerprint: bytes, salt: str | None, adapter: str | None = None) -> bytes | None:
-    """The parent key a request's chain starts from: None (the shared root) without a salt or an adapter,
-    else a digest of them under the namespace, so tenants with different salts, and requests through
-    different adapters (or none), share no key."""
-    if adapter:
-        text = b"tierkv/adapter|" + adapter.encode() + (b"|cache_salt|" + salt.encode() if salt else b"")
-        return hashlib.blake2b(text, digest_size=KEY_BYTES, key=fingerprint).digest()
-    if not salt:
-        return None
-    return hashlib.blake2b(b"tierkv/cache_salt|" + salt.encode(), digest_size=KEY_BYTES,
-                           key=fingerprint).digest()
 
 
 class Inputs(Protocol):

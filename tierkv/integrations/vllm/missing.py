@@ -33,6 +33,7 @@ class Missing:
     chains: list[tuple[int, bytes | None]] = field(default_factory=list)  # (index into keys, parent)
     tokens: np.ndarray | None = None  # token ids of ``keys`` (int32), when every store has them
     uses: list[bytes] = field(default_factory=list)  # cached blocks skipped: a use each at the commit
+    tenants: list[tuple[int, str | None]] = field(default_factory=list)  # (index into keys, tenant) where one starts
     skipped: int = 0  # blocks not stored because tierkv holds them (``uses``, and repeats within the step)
 
     @property
@@ -63,6 +64,8 @@ def missing(stores: Sequence[BlockIO], held: Held) -> Missing:
                 continue
             if after:
                 out.chains.append((len(out.keys), io.keys[i - 1] if i else io.parent))
+            if io.tenant != (out.tenants[-1][1] if out.tenants else None):
+                out.tenants.append((len(out.keys), io.tenant))
             out.keys.append(key)
             out.block_ids.append(block)
             taken.add(key)

@@ -51,7 +51,8 @@ class BlockIO:
     (int32 bytes, ``block_tokens`` per key), for the daemon's KV events. ``group``: the KV cache group.
     ``lead``: blocks of the load before ``keys[0]`` that the group never reads (outside its sliding
     window: vLLM's null block stands there), served without being moved. ``first``: a store's position
-    of ``keys[0]`` in its request's chain."""
+    of ``keys[0]`` in its request's chain. ``tenant``: a store's tenant (the request's ``cache_salt``),
+    whose quotas in the daemon count its blocks."""
 
     req_id: str
     keys: list[bytes]
@@ -62,6 +63,7 @@ class BlockIO:
     group: int = 0
     lead: int = 0
     first: int = 0
+    tenant: str | None = None
 
 
 @dataclass(slots=True)
@@ -358,7 +360,7 @@ class Planner:
             for g, gkeys in enumerate(keys):
                 plan.stores.append(BlockIO(st.request.request_id, gkeys[lo:full], st.block_ids[g][lo:full],
                                            parent=gkeys[lo - 1] if lo else st.roots[g], tokens=tokens, group=g,
-                                           first=lo))
+                                           first=lo, tenant=getattr(st.request, "cache_salt", None) or None))
             st.stored_blocks = full
 
     def _windowed_ids(self, st: _Request) -> list[list[int]]:

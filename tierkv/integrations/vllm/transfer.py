@@ -90,6 +90,7 @@ class Staged:
     tokens: np.ndarray | None
     t0: float
     uses: list[bytes]
+    tenants: list[tuple[int, str | None]]
 
 
 class Transfers:
@@ -214,7 +215,7 @@ class Transfers:
             self.counters.store_errors += total
         else:
             self.counters.store_deduplicated += todo.skipped
-            return Staged(client, slots, todo.keys, todo.chains, todo.tokens, t0, todo.uses)
+            return Staged(client, slots, todo.keys, todo.chains, todo.tokens, t0, todo.uses, todo.tenants)
         self._timed(t0)
         return None
 
@@ -235,13 +236,14 @@ class Transfers:
             if n and self.pages.device.type == "cuda":
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.pages.device))
-            self.committer.submit(st.client, st.keys, st.slots, ready, st.chains, st.tokens, st.uses)
+            self.committer.submit(st.client, st.keys, st.slots, ready, st.chains, st.tokens, st.uses, st.tenants)
             self._timed(st.t0)
             return
         try:
             if n:
                 self.pages.synchronize()
-            new = st.slots.commit(st.keys, chains=st.chains, remote=self.remote, tokens=st.tokens, uses=st.uses)
+            new = st.slots.commit(st.keys, chains=st.chains, remote=self.remote, tokens=st.tokens, uses=st.uses,
+                                  tenants=st.tenants)
         except TierKVError as exc:
             self._warn("a store", exc)
             self.link.drop(exc)

@@ -1,0 +1,290 @@
+"""The control API of a real daemon over HTTP: pin, unpin, warm and delete a prefix given as token ids,
+status, the bearer token, and bad requests that change nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.daemon.test_metrics import free_port
+from tests.helpers import REPO, SMALL, rand_blocks
+from tierkv.core.keys import chain_keys, salt_root
+
+BT = SMALL.block_tokens
+TOKEN = "s3cret-token-for-the-tests"
+
+
+def _call(port: int, method: str, op: str, body: dict | None = None, token: str | None = TOKEN) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/{op}", method=method,
+                                 data=None if body is None else json.dumps(body).encode())
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture
+def control(daemon_factory, tmp_path):
+    """A daemon with a 1 MiB host tier (128 blocks) under LRU and a disk, its control API on a free port."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    port = free_port()
+    d = daemon_factory(["--metrics-addr", f"127.0.0.1:{port}", "--control-token-file", str(token),
+                        "--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--policy", "lru"])
+    d.port = port
+    return d
+
+
+def _prompt(seed: int, blocks: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(blocks * BT)]
+
+
+def _flood(c, blocks: int, seed: int = 50) -> None:
+    for i in range(blocks // 8):
+        c.put(c.block_keys(_prompt(seed + i, 8)), rand_blocks(8, seed=seed + i), durable=True)
+
+
+def test_changes_need_the_bearer_token_and_status_is_open(control):
+    port = control.port
+    with control.client(model="ctl-a"):
+        status, body = _call(port, "GET", "status", token=None)
+        assert status == 200 and body["health"] == "ok"
+        assert [ns["model"] for ns in body["namespaces"]] == ["ctl-a"]
+        req = {"model": "ctl-a", "tokens": _prompt(1, 2)}
+        assert _call(port, "POST", "pin", req, token=None)[0] == 401
+        assert _call(port, "POST", "pin", req, token="wrong-token-of-some-length")[0] == 403
+        assert _call(port, "POST", "pin", req)[0] == 200
+
+
+def test_a_pinned_prefix_outlives_a_flood_and_an_unpinned_one_does_not(control):
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        tokens = _prompt(1, 4)
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(4, seed=1))
+        assert _call(port, "POST", "pin", {"model": "ctl-a", "tokens": tokens}) == (200, {"pinned": 4, "missing": 0})
+        assert _call(port, "GET", "status")[1]["pins"]["blocks"] == 4
+        _flood(c, 512)  # 4x the host tier
+        assert c.lookup_tiers(keys) == ["host"] * 4, "a pin keeps every block in host memory"
+        assert _call(port, "POST", "unpin", {"model": "ctl-a", "tokens": tokens}) == (200, {"unpinned": 4})
+        _flood(c, 512, seed=200)
+        assert "host" not in c.lookup_tiers(keys), "unpinned, the flood evicts it"
+
+
+def test_warm_brings_a_prefix_back_from_disk_and_says_what_was_missing(control):
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        tokens = _prompt(2, 4)
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(4, seed=2), durable=True)
+        _flood(c, 512)
+        assert c.lookup_tiers(keys) == ["disk"] * 4
+        status, body = _call(port, "POST", "warm", {"model": "ctl-a", "tokens": tokens + _prompt(3, 2)})
+        assert status == 200 and body["warmed"] == 4 and body["from"] == {"disk": 4} and body["missing"] == 2
+        assert body["bytes"] == 4 * SMALL.block_bytes
+        assert c.lookup_tiers(keys) == ["host"] * 4
+        got = c.get(keys)
+        assert got.shape[0] == 4
+
+
+def test_delete_by_prefix_spares_pins_unless_forced_and_other_tenants(control):
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        fp = c.fingerprint
+        tokens = _prompt(4, 3)
+        shared, salted = chain_keys(fp, tokens, BT), chain_keys(fp, tokens, BT, salt_root(fp, "tenant-b"))
+        assert shared == c.block_keys(tokens)
+        c.put(shared, rand_blocks(3, seed=4))
+        c.put(salted, rand_blocks(3, seed=5))
+        req = {"model": "ctl-a", "tokens": tokens, "salt": "tenant-b"}
+        assert _call(port, "POST", "pin", req)[1]["pinned"] == 3
+        assert _call(port, "POST", "delete", req) == (200, {"deleted": 0}), "pinned blocks stay without force"
+        assert _call(port, "POST", "delete", {**req, "force": True}) == (200, {"deleted": 3})
+        assert c.lookup(salted) == 0 and c.lookup(shared) == 3, "another tenant's prefix is untouched"
+        assert _call(port, "POST", "delete", {"model": "ctl-a", "tokens": tokens}) == (200, {"deleted": 3})
+        assert c.lookup(shared) == 0
+
+
+def test_bad_requests_get_one_clear_error_and_change_nothing(control):
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        tokens = _prompt(6, 2)
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(2, seed=6))
+        for body, needle in (({"tokens": tokens}, "model is required"),
+                             ({"model": "nope", "tokens": tokens}, "no engine has registered model 'nope'"),
+                             ({"model": "ctl-a", "tokens": [1, "x"]}, "tokens must be token ids"),
+                             ({"model": "ctl-a", "tokens": []}, "tokens must be a list"),
+                             ({"model": "ctl-a", "tokens": tokens[:BT - 1]}, "less than one block"),
+                             ({"model": "ctl-a", "tokens": tokens, "salt": 3}, "salt must be"),
+                             ({"model": "ctl-a", "tokens": tokens, "priority": 0}, "priority must be")):
+            status, reply = _call(port, "POST", "pin", body)
+            assert status == 400 and needle in reply["error"], (body, reply)
+        assert _call(port, "POST", "nothing", {})[0] == 404
+        big = _prompt(7, 80)  # more than host.max_pinned_fraction (half) of the 128-block tier
+        c.put(c.block_keys(big)[:72], rand_blocks(72, seed=7))
+        status, reply = _call(port, "POST", "pin", {"model": "ctl-a", "tokens": big})
+        assert status == 409 and "bytes would exceed host.max_pinned_fraction" in reply["error"]
+        assert _call(port, "GET", "status")[1]["pins"] == {"blocks": 0, "bytes": 0}, "a refused pin pins nothing"
+        assert c.lookup(keys) == 2
+
+
+def test_a_token_file_others_can_read_stops_the_start(tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o644)
+    proc = subprocess.run([sys.executable, "-m", "tierkv", "serve", "--socket", str(tmp_path / "s.sock"),
+                           "--data-dir", str(tmp_path / "d"), "--metrics-addr", str(free_port()),
+                           "--control-token-file", str(token), "--host-capacity", "4MiB"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env={**os.environ})
+    assert proc.returncode != 0 and "readable by others" in proc.stderr
+
+
+def test_the_python_client_and_the_cli_do_the_same_operations(control, tmp_path):
+    from tierkv.client.control_api import ControlClient
+    from tierkv.core.errors import BadRequest, PermissionDenied, TierFull
+
+    token = tmp_path / "token"  # the fixture's
+    ctl = ControlClient(f"127.0.0.1:{control.port}", token_file=str(token))
+    with control.client(model="ctl-a") as c:
+        tokens = _prompt(8, 2)
+        c.put(c.block_keys(tokens), rand_blocks(2, seed=8))
+        assert ctl.status()["namespaces"][0]["blocks"] == 2
+        assert ctl.pin("ctl-a", tokens) == {"pinned": 2, "missing": 0}
+        with pytest.raises(PermissionDenied, match="Bearer"):
+            ControlClient(f"127.0.0.1:{control.port}").unpin("ctl-a", tokens)
+        with pytest.raises(BadRequest, match="no engine has registered model 'other'"):
+            ctl.warm("other", tokens)
+        big = _prompt(9, 80)
+        c.put(c.block_keys(big)[:72], rand_blocks(72, seed=9))
+        with pytest.raises(TierFull, match="max_pinned_fraction"):
+            ctl.pin("ctl-a", big)
+
+        def cli(*args: str) -> dict:
+            out = subprocess.run([sys.executable, "-m", "tierkv", "control", *args, "--addr", str(control.port),
+                                  "--token-file", str(token)], capture_output=True, text=True, timeout=60, cwd=REPO)
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)
+
+        ids = ",".join(map(str, tokens))
+        assert cli("quotas", "--tenant", "t1", "--host", "64KiB")["quota"] == {"host": 65536, "disk": None}
+        assert ctl.set_quota("t1", host=None, disk=1 << 20)["quota"] == {"host": None, "disk": 1 << 20}
+        assert cli("tenants")["tenants"]["t1"]["quota"] == {"host": None, "disk": 1 << 20}
+        assert cli("unpin", ids, "--model", "ctl-a") == {"unpinned": 2}
+        assert cli("delete", ids, "--model", "ctl-a") == {"deleted": 2}
+        assert cli("status")["pins"] == {"blocks": 0, "bytes": 0}
+        bad = subprocess.run([sys.executable, "-m", "tierkv", "control", "pin", "1,x", "--model", "ctl-a",
+                              "--addr", str(control.port), "--token-file", str(token)],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tokens" in bad.stderr
+
+
+def test_delete_takes_the_copies_of_the_tiers_named_or_a_whole_namespace(control):
+    port = control.port
+    with control.client(model="ctl-a") as c, control.client(model="ctl-b") as other:
+        tokens = _prompt(10, 4)
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(4, seed=10), durable=True)
+        assert c.lookup_tiers(keys) == ["host"] * 4
+        assert _call(port, "POST", "delete", {"model": "ctl-a", "tokens": tokens, "tiers": ["host"]}) == \
+            (200, {"deleted": 4})
+        assert c.lookup_tiers(keys) == ["disk"] * 4, "the disk copies stay"
+        more = c.block_keys(_prompt(11, 3))
+        c.put(more, rand_blocks(3, seed=11))
+        theirs = other.block_keys(tokens)
+        other.put(theirs, rand_blocks(4, seed=12))
+        assert _call(port, "POST", "delete", {"model": "ctl-a", "tiers": ["tape"]})[0] == 400
+        assert _call(port, "POST", "delete", {"model": "ctl-a"}) == (200, {"deleted": 7})
+        assert c.lookup(keys) == 0 and c.lookup(more) == 0
+        assert other.lookup(theirs) == 4, "another model's namespace is untouched"
+        assert _call(port, "GET", "status")[1]["namespaces"][0]["blocks"] in (0, 4)
+
+
+def _flood_as(c, tenant: str, blocks: int, seed: int) -> None:
+    for i in range(blocks // 8):
+        c.put(c.block_keys(_prompt(seed + i, 8)), rand_blocks(8, seed=seed + i), durable=True, tenant=tenant)
+
+
+@pytest.mark.parametrize("quota", [True, False])
+def test_a_tenant_under_its_quota_keeps_its_blocks_through_another_tenants_flood(control, quota):
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        if quota:
+            assert _call(port, "POST", "quotas", {"tenant": "a", "host": 32 * 8192})[0] == 200
+        tokens = _prompt(20, 16)
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(16, seed=20), tenant="a")
+        assert c.lookup(keys) == 16
+        _flood_as(c, "b", 512, seed=300)  # 4x the host tier
+        tiers = c.lookup_tiers(keys)
+        if quota:
+            assert tiers == ["host"] * 16, "the flood evicts none of a's blocks"
+        else:
+            assert "host" not in tiers, "without a quota the flood evicts a's blocks"
+        used = _call(port, "GET", "tenants")[1]["tenants"]
+        assert used["a"]["used"]["host"] == (16 * 8192 if quota else 0)
+        from tests.daemon.test_metrics import scrape
+        m = scrape(port)
+        assert m[("tierkv_tenant_used_bytes", (("tenant", "a"), ("tier", "host")))] == used["a"]["used"]["host"]
+        assert (("tierkv_tenant_quota_bytes", (("tenant", "a"), ("tier", "host"))) in m) == quota
+        assert c.get(keys).shape[0] == 16
+
+
+def test_a_tenant_over_its_quota_gives_up_its_own_blocks(control):
+    from tests.helpers import wait_for
+
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        keep = c.block_keys(_prompt(21, 8))
+        c.put(keep, rand_blocks(8, seed=21))  # no tenant: shares what remains
+        assert _call(port, "POST", "quotas", {"tenant": "b", "host": 16 * 8192, "disk": None})[1]["quota"] == \
+            {"host": 16 * 8192, "disk": None}
+        _flood_as(c, "b", 64, seed=400)
+
+        def b_host() -> int:
+            return _call(port, "GET", "tenants")[1]["tenants"]["b"]["used"]["host"]
+        assert wait_for(lambda: b_host() <= 16 * 8192), b_host()
+        assert c.lookup_tiers(keep) == ["host"] * 8, "the host tier had room: nothing else was evicted"
+        assert c.lookup(c.block_keys(_prompt(400, 8))) == 8, "b's blocks went to disk, not away"
+        with c.acquire(keep):
+            pass
+        for body, needle in (({"host": 1}, "tenant must be"), ({"tenant": "b", "host": -1}, "bytes >= 0"),
+                             ({"tenant": "b", "tape": 1}, "host and/or disk"), ({"tenant": "b"}, "host and/or disk")):
+            status, reply = _call(port, "POST", "quotas", body)
+            assert status == 400 and needle in reply["error"], (body, reply)
+        assert _call(port, "POST", "quotas", {"tenant": "b", "host": 1}, token=None)[0] == 401
+
+
+def test_a_pinned_prefix_is_pinned_in_host_memory_again_after_a_restart(control):
+    """The pin makes the blocks durable and is kept in the data directory: after a restart the prefix is
+    loaded into host memory and pinned before any engine connects (the control API knows its model),
+    and outlives a flood again."""
+    from tests.helpers import wait_for
+
+    port = control.port
+    tokens = _prompt(30, 4)
+    with control.client(model="ctl-a") as c:
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(4, seed=30))
+        assert _call(port, "POST", "pin", {"model": "ctl-a", "tokens": tokens, "priority": 90})[1]["pinned"] == 4
+        assert wait_for(lambda: c.stats()["tiers"]["disk"]["blocks"] >= 4), "a pin writes its blocks to disk"
+    control.restart()
+    status = _call(port, "GET", "status")[1]
+    assert [ns["model"] for ns in status["namespaces"]] == ["ctl-a"] and status["pins"]["blocks"] == 4
+    with control.client(model="ctl-a") as c:
+        assert c.lookup_tiers(keys) == ["host"] * 4
+        _flood(c, 512, seed=600)
+        assert c.lookup_tiers(keys) == ["host"] * 4
+        assert _call(port, "POST", "unpin", {"model": "ctl-a", "tokens": tokens}) == (200, {"unpinned": 4})
+    control.restart()
+    assert _call(port, "GET", "status")[1]["pins"]["blocks"] == 0, "an unpin is kept too"

@@ -1,0 +1,103 @@
+"""Tenants on vLLM's real CPU build: a noisy tenant's flood and a quiet tenant's prefixes, with and
+without a quota; a pinned prompt through a flood and a daemon restart. One daemon (15 host blocks over
+11 on disk, LRU in both, every victim written; its control API on) and one vLLM server serve the module."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from _demo_model import MODEL_ID, ensure_converted
+from _vllm_server import VllmServer
+
+from tests.daemon.test_metrics import free_port
+from tests.helpers import Daemon
+from tests.system.test_vllm import BT, DEV, chat
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.timeout(900)]
+
+TOKEN = "tenants-test-token-0123456789"
+BLOCK = 2 * 30 * 3 * 64 * BT * 4  # a SmolLM2 block: 5.6 MiB
+
+
+class Stack:
+    def __init__(self, work) -> None:
+        token = work / "token"
+        token.write_text(TOKEN)
+        token.chmod(0o600)
+        self.port = free_port()
+        self.daemon = Daemon(work / "daemon", ["--host-capacity", "96MiB", "--slab-bytes", "32MiB",
+                                               "--disk-capacity", "64MiB", "--policy", "lru",
+                                               "--metrics-addr", str(self.port), "--control-token-file", str(token)],
+                             env={"TIERKV_DISK_POLICY": "lru", "TIERKV_DISK_ADMISSION": "all"})
+        self.daemon.workdir.mkdir(parents=True, exist_ok=True)
+        self.daemon.start()
+        try:
+            self.server = VllmServer(str(ensure_converted()), self.daemon.socket, work / "vllm.log", num_blocks=12,
+                                     env=DEV).start()
+        except BaseException:
+            self.daemon.stop()
+            raise
+
+    def control(self, op: str, body: dict) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/{op}", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    def served(self, msgs: list[dict], salt: str) -> tuple[int, str]:
+        """Prompt tokens of ``msgs`` served from tierkv (vLLM's own cache emptied first), and the reply."""
+        self.server.reset_prefix_cache()
+        r = self.server.chat(msgs, salt=salt, max_tokens=8)
+        return r.cached_tokens, r.text
+
+    def flood(self, salt: str, n: int = 8) -> None:
+        for i in range(n):
+            self.server.chat(chat(f"flood-{salt}-{i}", rules=24), salt=salt, max_tokens=1)
+
+    def close(self) -> None:
+        self.server.stop()
+        self.daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("tenants"))
+    yield s
+    s.close()
+
+
+def test_a_quota_keeps_a_quiet_tenants_prefixes_through_a_noisy_tenants_flood(stack):
+    """Tenant B floods both tiers (26 blocks) over and over. Without a quota the quiet tenant's prompt is
+    evicted (served from tierkv before the flood, not after); with a quota it holds, every token tierkv
+    served before is served after, and the replies equal the ones computed."""
+    results = {}
+    for quiet in ("quiet-1", "quiet-2"):
+        if quiet == "quiet-2":
+            stack.control("quotas", {"tenant": quiet, "host": 6 * BLOCK, "disk": 6 * BLOCK})
+        msgs = chat(f"apiary-{quiet}", rules=24)
+        stack.server.chat(msgs, salt=quiet, max_tokens=8)
+        before, text = stack.served(msgs, quiet)
+        assert before >= 2 * BT
+        stack.flood("noisy", 10)
+        after, again = stack.served(msgs, quiet)
+        results[quiet] = (before, after)
+        assert again == text
+    (b1, a1), (b2, a2) = results["quiet-1"], results["quiet-2"]
+    assert a1 < b1, "without a quota the flood evicts the quiet tenant's prefix"
+    assert a2 == b2, "with one, none of it"
+
+
+def test_a_pinned_prompt_survives_a_flood_and_a_daemon_restart(stack):
+    msgs = chat("observatory", rules=24)
+    first = stack.server.chat(msgs, salt="pinned", max_tokens=8)
+    tokens = stack.server.tokenize(msgs)
+    pinned = stack.control("pin", {"model": MODEL_ID, "tokens": tokens, "salt": "pinned"})
+    assert pinned == {"pinned": len(tokens) // BT, "missing": 0} and len(tokens) >= 2 * BT
+    whole = (len(tokens) - 1) // BT * BT  # vLLM computes the prompt's last token itself
+    stack.flood("noisy-2", 10)
+    assert stack.served(msgs, "pinned") == (whole, first.text)
+    stack.daemon.restart()
+    stack.flood("noisy-3", 10)  # the connector reconnects; the pinned blocks are in host memory again
+    assert stack.served(msgs, "pinned") == (whole, first.text)

@@ -1,0 +1,84 @@
+"""Per-tenant quotas: the bytes each tenant's blocks may take in a tier, and what they take now.
+
+A tenant is what the engine names a request's owner by (the vLLM connector sends its ``cache_salt``).
+A tenant holding no more than its quota in a tier is *shielded* there: no other tenant's stores or
+floods evict its blocks (:meth:`Quotas.shielded`); a tenant over its quota gives up its own blocks first
+(:meth:`Quotas.excess`). Tenants without a quota, and blocks of no tenant, share what remains as before.
+Plain code; the tier managers keep the accounts under the store's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Quotas", "TenantUse"]
+
+TIERS = ("host", "disk")
+
+
+@dataclass
+class TenantUse:
+    """One tenant's bytes per tier, its quotas (None: none) and the blocks fetches served it."""
+
+    used: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    quota: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(TIERS))
+    hits: int = 0
+
+
+class Quotas:
+    """Every tenant's use and quota."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, TenantUse] = {}
+        self.on = False  # any quota set: only then do evictions ask
+
+    def _use(self, tenant: str) -> TenantUse:
+        u = self.tenants.get(tenant)
+        if u is None:
+            u = self.tenants[tenant] = TenantUse()
+        return u
+
+    def set(self, tenant: str, tier: str, limit: int | None) -> None:
+        """Give ``tenant`` a quota of ``limit`` bytes in ``tier`` (None: no quota).
+
+        Raises:
+            ValueError: an unknown tier, an empty tenant or a negative limit.
+        """
+        if tier not in TIERS:
+            raise ValueError(f"a quota is per tier: {', '.join(TIERS)}, not {tier!r}")
+        if not tenant:
+            raise ValueError("a quota needs a tenant")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"a quota is bytes >= 0 or null, got {limit!r}")
+        self._use(tenant).quota[tier] = limit
+        self.on = any(q is not None for u in self.tenants.values() for q in u.quota.values())
+
+    def add(self, tenant: str | None, tier: str, nbytes: int) -> None:
+        """``tenant``'s blocks take ``nbytes`` more (less, when negative) in ``tier``."""
+        if tenant is not None:
+            self._use(tenant).used[tier] += nbytes
+
+    def hit(self, tenant: str | None) -> None:
+        """A fetch was served one of ``tenant``'s blocks."""
+        if tenant is not None:
+            self._use(tenant).hits += 1
+
+    def shielded(self, tenant: str | None, tier: str) -> bool:
+        """Whether ``tenant``'s blocks in ``tier`` stay against other tenants' evictions: it has a quota
+        there and holds no more than it."""
+        if not self.on or tenant is None:
+            return False
+        u = self.tenants.get(tenant)
+        q = None if u is None else u.quota[tier]
+        return q is not None and u is not None and u.used[tier] <= q
+
+    def excess(self, tier: str) -> dict[str, int]:
+        """Per tenant over its quota in ``tier``, the bytes it holds beyond it."""
+        if not self.on:
+            return {}
+        return {t: u.used[tier] - q for t, u in self.tenants.items()
+                if (q := u.quota[tier]) is not None and u.used[tier] > q}
+
+    def snapshot(self) -> dict[str, dict]:
+        """Per tenant: bytes used and quota per tier, and hits."""
+        return {t: {"used": dict(u.used), "quota": dict(u.quota), "hits": u.hits} for t, u in self.tenants.items()}
