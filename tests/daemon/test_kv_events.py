@@ -42,7 +42,9 @@ def chain(rng: np.random.Generator, blocks: int) -> np.ndarray:
 @pytest.fixture
 def daemon(tmp_path):
     ep, rep = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
-    d = Daemon(tmp_path, ["--kv-events", ep, "--kv-events-replay", rep])
+    # write-behind whether or not other processes keep the cores busy: the disk fills the same way on a
+    # loaded machine
+    d = Daemon(tmp_path, ["--kv-events", ep, "--kv-events-replay", rep], env={"TIERKV_HOST_WRITE_BEHIND_IDLE_CORES": "0"})
     d.ep, d.rep = ep, rep
     d.start(["--host-capacity", "2MiB", "--slab-bytes", "1MiB", "--disk-capacity", "3MiB"])
     yield d
