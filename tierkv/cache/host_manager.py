@@ -3,10 +3,10 @@
 Plain code with no threads and no I/O; the daemon's store holds its lock around every call. Only this
 manager writes a record's host fields (:data:`~tierkv.cache.block.TIER_FIELDS`): a slot is assigned
 (:meth:`HostManager.assign`) and filled by a store (:meth:`~HostManager.committed`), a load
-(:meth:`~HostManager.start_load` / :meth:`~HostManager.complete_load`) or a drain from the device
-(:meth:`~HostManager.received`); it is read by leases and by writes to colder tiers
-(:meth:`~HostManager.lease`, :meth:`~HostManager.begin_write`), pinned, and freed when the block leaves
-(:meth:`~HostManager.drop`). Each copy gained or lost is reported to the store's
+(:meth:`~HostManager.prepare_load` / :meth:`~HostManager.complete_load`) or a drain from the device
+(:meth:`~HostManager.complete_receive`); it is read by leases and by writes to colder tiers
+(:meth:`~HostManager.lease`, :meth:`~HostManager.prepare_write`), pinned, and freed when the block
+leaves (:meth:`~HostManager.drop`). Each copy gained or lost is reported to the store's
 :class:`~tierkv.cache.tier_changes.TierChanges`. Which dirty blocks go to disk, and when, is
 :mod:`tierkv.cache.host_outflow`'s decision.
 """
@@ -57,10 +57,8 @@ class HostManager:
                  writer_idle: Callable[[], bool], changes: TierChanges, quotas: Quotas | None = None) -> None:
         self.table, self.pool, self.policy, self.disk = table, pool, policy, disk
         self.quotas = quotas if quotas is not None else Quotas()
-        self.reuse, self.admission = reuse, admission
+        self.reuse, self.admission, self.writer_idle, self.changes = reuse, admission, writer_idle, changes
         self.host_cfg, self.disk_cfg = settings
-        self.writer_idle = writer_idle
-        self.changes = changes
         self.limit = min(pool.capacity, self.host_cfg.capacity)  # effective capacity: `tune host.capacity` lowers it
         self.pinned_bytes = 0
         self.stats = TierCounters()
@@ -102,8 +100,7 @@ class HostManager:
         return len(victims)
 
     def make_room(self, nbytes: int) -> int:
-        """Evict so ``nbytes`` of new slots fit under the limit (a large put would otherwise walk the
-        policy once per slot); returns blocks dropped."""
+        """Evict so ``nbytes`` of new slots fit under the limit in one policy walk; returns blocks dropped."""
         short = self.pool.used_bytes + nbytes - self.limit
         return self.evict_for(short) if short > 0 else 0
 
@@ -285,15 +282,6 @@ class HostManager:
         return b.protected or self.quotas.shielded(b.tenant, "host") or (
             not b.on_disk and self.disk.present and self.worth_writing(b, self.disk_cfg.admission))
 
-    def own_victims(self, tenant: str, nbytes: int) -> list[bytes]:
-        """About ``nbytes`` of ``tenant``'s own blocks not in use, in the policy's order (a tenant over its
-        quota gives these up first)."""
-        blocks = self.table.blocks
-
-        def other(fk: bytes) -> bool:
-            b = blocks[fk]
-            return b.protected or b.tenant != tenant
-        return self.policy.victims(nbytes, other) or self.policy.victims(self.pool.slab_bytes, other) or []
 
     def evictable_exists(self) -> bool:
         """Whether waiting can help: some block is held by neither a client nor a pin (blocks being

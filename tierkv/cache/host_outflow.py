@@ -45,7 +45,7 @@ class HostOutflow:
         victims at once; returns the dirty victims to write to disk first."""
         h = self.host
         used, cap = h.pool.used_bytes, h.limit
-        own = [fk for t, n in h.quotas.excess("host").items() for fk in h.own_victims(t, n)]
+        own = [fk for t, n in h.quotas.excess("host").items() for fk in self._own(t, n)]
         if own:  # tenants over their quota give up their own blocks first
             return self._take(own)
         if used <= h.host_cfg.high_watermark * cap and not force:
@@ -59,6 +59,15 @@ class HostOutflow:
                 n //= 2
                 victims = h.policy.victims(n, h.protected) or []
         return self._take(victims)
+
+    def _own(self, tenant: str, nbytes: int) -> list[bytes]:
+        """About ``nbytes`` of ``tenant``'s own host blocks not in use, in the policy's order."""
+        h = self.host
+
+        def other(fk: bytes) -> bool:
+            b = h.table.blocks[fk]
+            return b.protected or b.tenant != tenant
+        return h.policy.victims(nbytes, other) or h.policy.victims(h.pool.slab_bytes, other) or []
 
     def _take(self, victims: list[bytes]) -> list[Block]:
         """Drop the clean ``victims`` (and those the disk does not admit); returns the dirty ones to write."""
