@@ -117,10 +117,18 @@ def test_a_cached_block_gone_before_the_commit_leaves_a_hole_never_wrong_data(da
     assert torch.equal(got[0], src.block(3)) and torch.equal(got[1], early[1]) and torch.equal(got[2], src.block(5))
 
 
-def test_a_requests_cache_salt_is_the_tenant_its_stored_blocks_count_for(daemon_factory):
+def test_a_requests_cache_salt_is_the_tenant_its_stored_blocks_count_for(daemon_factory, tmp_path):
     """Two requests with a cache_salt each and one without, stored in one pass: each salted request's new
     blocks count against its tenant in the daemon (the quota accounts), the other's against none."""
-    d = daemon_factory(ARGS, env=ENV)
+    from tests.daemon.test_control import TOKEN, _call
+    from tests.daemon.test_metrics import free_port
+
+    token, port = tmp_path / "token", free_port()
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    d = daemon_factory(ARGS + ["--metrics-addr", str(port), "--control-token-file", str(token)], env=ENV)
+    for tenant in ("tenant-a", "tenant-b"):
+        assert _call(port, "POST", "quotas", {"tenant": tenant, "host": 1 << 30})[0] == 200
     src = RecordingPages(16, seed=5)
     planner, t = Planner.single(link(d), NS, BT), Transfers(link(d), src)
     stores = []

@@ -9,6 +9,7 @@ owns that tier's fields of the record and reports every copy gained or lost
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -210,7 +211,7 @@ def validate_tenants(tenants: object, n: int) -> dict[int, str | None]:
         t = pair[1]
         if t is not None and (not isinstance(t, str) or not 0 < len(t) <= MAX_TENANT):
             raise BadRequest(f"a tenant must be nil or a name of 1..{MAX_TENANT} characters")
-        out[pair[0]] = t
+        out[pair[0]] = None if t is None else sys.intern(t)  # one string per tenant, however many blocks
         last = pair[0]
     return out
 

@@ -47,6 +47,20 @@ class TierManagers:
             for b in lease.blocks:
                 manager.unlease(b)
 
+    def set_quota(self, tenant: str, limits: dict[str, int | None]) -> None:
+        """Set ``tenant``'s quotas per tier (see :meth:`Quotas.set`), counting what it holds when it had
+        none yet.
+
+        Raises:
+            ValueError: a bad tier or limit (nothing changes).
+        """
+        holds: dict[str, int] = {}
+        if not self.quotas.accounted(tenant):
+            mine = [b for b in self.table.records() if b.tenant == tenant]
+            holds = {"host": sum(self.host.pool.slot_size_at(b.host_off) for b in mine if b.host_off is not None),
+                     "disk": sum(self.disk.stored_size(b.disk_bytes) for b in mine if b.on_disk)}
+        self.quotas.set(tenant, limits, holds)
+
     def delete(self, b: Block, tiers: Collection[str] = LOCAL_TIERS) -> bool:
         """A client or the operator deleted ``b`` (in use by no tier) from ``tiers``: those copies go, and
         the record with the last local one. Returns whether its value on disk went (the caller deletes

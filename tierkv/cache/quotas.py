@@ -4,7 +4,9 @@ A tenant is what the engine names a request's owner by (the vLLM connector sends
 A tenant holding no more than its quota in a tier is *shielded* there: no other tenant's stores or
 floods evict its blocks (:meth:`Quotas.shielded`); a tenant over its quota gives up its own blocks first
 (:meth:`Quotas.excess`). Tenants without a quota, and blocks of no tenant, share what remains as before.
-Plain code; the tier managers keep the accounts under the store's lock.
+Only tenants with a quota are accounted (a fleet may have a salt per user): a quota's first setting
+counts the bytes its tenant holds already. Plain code; the tier managers keep the accounts under the
+store's lock.
 """
 
 from __future__ import annotations
@@ -32,36 +34,42 @@ class Quotas:
         self.tenants: dict[str, TenantUse] = {}
         self.on = False  # any quota set: only then do evictions ask
 
-    def _use(self, tenant: str) -> TenantUse:
-        u = self.tenants.get(tenant)
-        if u is None:
-            u = self.tenants[tenant] = TenantUse()
-        return u
-
-    def set(self, tenant: str, tier: str, limit: int | None) -> None:
-        """Give ``tenant`` a quota of ``limit`` bytes in ``tier`` (None: no quota).
+    def set(self, tenant: str, limits: dict[str, int | None], holds: dict[str, int]) -> None:
+        """Give ``tenant`` quotas of ``limits`` bytes per tier (None: no quota there; the tiers not named
+        keep theirs); ``holds``: the bytes it holds per tier now (read when it had no quota yet). A tenant
+        left without any quota is no longer accounted.
 
         Raises:
-            ValueError: an unknown tier, an empty tenant or a negative limit.
+            ValueError: an unknown tier, an empty tenant or a negative limit (nothing changes).
         """
-        if tier not in TIERS:
-            raise ValueError(f"a quota is per tier: {', '.join(TIERS)}, not {tier!r}")
         if not tenant:
             raise ValueError("a quota needs a tenant")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"a quota is bytes >= 0 or null, got {limit!r}")
-        self._use(tenant).quota[tier] = limit
-        self.on = any(q is not None for u in self.tenants.values() for q in u.quota.values())
+        for tier, limit in limits.items():
+            if tier not in TIERS:
+                raise ValueError(f"a quota is per tier: {', '.join(TIERS)}, not {tier!r}")
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+                raise ValueError(f"a quota is bytes >= 0 or null, got {limit!r}")
+        u = self.tenants.get(tenant)
+        if u is None:
+            u = self.tenants[tenant] = TenantUse(used={t: holds.get(t, 0) for t in TIERS})
+        u.quota.update(limits)
+        if all(q is None for q in u.quota.values()):
+            del self.tenants[tenant]
+        self.on = bool(self.tenants)
+
+    def accounted(self, tenant: str) -> bool:
+        """Whether ``tenant`` has a quota (and so is accounted)."""
+        return tenant in self.tenants
 
     def add(self, tenant: str | None, tier: str, nbytes: int) -> None:
         """``tenant``'s blocks take ``nbytes`` more (less, when negative) in ``tier``."""
-        if tenant is not None:
-            self._use(tenant).used[tier] += nbytes
+        if tenant is not None and (u := self.tenants.get(tenant)) is not None:
+            u.used[tier] += nbytes
 
     def hit(self, tenant: str | None) -> None:
         """A fetch was served one of ``tenant``'s blocks."""
-        if tenant is not None:
-            self._use(tenant).hits += 1
+        if tenant is not None and (u := self.tenants.get(tenant)) is not None:
+            u.hits += 1
 
     def shielded(self, tenant: str | None, tier: str) -> bool:
         """Whether ``tenant``'s blocks in ``tier`` stay against other tenants' evictions: it has a quota

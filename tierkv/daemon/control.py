@@ -133,9 +133,8 @@ class Control:
                 raise BadRequest(f"{tier}: a quota is bytes >= 0 or null, got {limit!r}")
         st = self.store
         with st.ctx.lock:
-            for tier, limit in tiers.items():
-                st.m.quotas.set(tenant, tier, limit)
-            out = st.m.quotas.snapshot()[tenant]
+            st.m.set_quota(tenant, tiers)
+            out = st.m.quotas.snapshot().get(tenant, {"used": {}, "quota": dict.fromkeys(tiers), "hits": 0})
         st.ctx.kick()
         return {"tenant": tenant, **out}
 

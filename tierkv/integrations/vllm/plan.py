@@ -18,6 +18,7 @@ from the daemon's shared lookup index, so the scheduling hot path makes no round
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,14 @@ class StepPlan:
 
     loads: list[BlockIO] = field(default_factory=list)
     stores: list[BlockIO] = field(default_factory=list)
+
+
+def tenant_of(salt: str | None) -> str | None:
+    """The tenant a request's blocks are stored for: its ``cache_salt`` (a digest of one longer than the
+    daemon takes)."""
+    if not salt:
+        return None
+    return salt if len(salt) <= 256 else "salt:" + hashlib.blake2b(salt.encode(), digest_size=16).hexdigest()
 
 
 @dataclass(slots=True)
@@ -360,7 +369,7 @@ class Planner:
             for g, gkeys in enumerate(keys):
                 plan.stores.append(BlockIO(st.request.request_id, gkeys[lo:full], st.block_ids[g][lo:full],
                                            parent=gkeys[lo - 1] if lo else st.roots[g], tokens=tokens, group=g,
-                                           first=lo, tenant=getattr(st.request, "cache_salt", None) or None))
+                                           first=lo, tenant=tenant_of(getattr(st.request, "cache_salt", None))))
             st.stored_blocks = full
 
     def _windowed_ids(self, st: _Request) -> list[list[int]]:
