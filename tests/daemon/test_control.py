@@ -34,13 +34,13 @@ def _call(port: int, method: str, op: str, body: dict | None = None, token: str 
 
 @pytest.fixture
 def control(daemon_factory, tmp_path):
-    """A daemon with a 1 MiB host tier (128 blocks) under LRU and a disk, its control API on a free port."""
+    """A daemon with a 1 MiB host tier (128 blocks) under LRU over an 8 MiB disk, its control API on a free port."""
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o600)
     port = free_port()
     d = daemon_factory(["--metrics-addr", f"127.0.0.1:{port}", "--control-token-file", str(token),
-                        "--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--policy", "lru"])
+                        "--host-capacity", "1MiB", "--slab-bytes", "1MiB", "--disk-capacity", "8MiB", "--policy", "lru"])
     d.port = port
     return d
 
@@ -285,6 +285,8 @@ def test_a_pinned_prefix_is_pinned_in_host_memory_again_after_a_restart(control)
         c.put(keys, rand_blocks(4, seed=30))
         assert _call(port, "POST", "pin", {"model": "ctl-a", "tokens": tokens, "priority": 90})[1]["pinned"] == 4
         assert wait_for(lambda: c.stats()["tiers"]["disk"]["blocks"] >= 4), "a pin writes its blocks to disk"
+        _flood(c, 1024, seed=700)  # more than the disk holds too: the pinned values stay there
+        assert c.stats()["tiers"]["disk"]["evictions"] > 0
     control.restart()
     status = _call(port, "GET", "status")[1]
     assert [ns["model"] for ns in status["namespaces"]] == ["ctl-a"] and status["pins"]["blocks"] == 4

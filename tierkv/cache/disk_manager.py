@@ -97,10 +97,10 @@ class DiskManager:
         self.settings = settings
 
     def protected(self, fk: bytes) -> bool:
-        """A value being read into the host tier stays, and so do the values of a tenant holding no more
-        than its disk quota."""
+        """A value being read into the host tier stays, and so do a pinned block's (a restart pins it
+        again from there) and the values of a tenant holding no more than its disk quota."""
         b = self.table.get(fk)
-        return b is None or b.loading is not None or self.quotas.shielded(b.tenant, "disk")
+        return b is None or b.loading is not None or b.pin > 0 or self.quotas.shielded(b.tenant, "disk")
 
     def needed(self, fk: bytes) -> bool:
         """Besides :meth:`protected`: the prefix of a block host memory holds stays (dropped, it would
