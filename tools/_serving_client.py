@@ -41,9 +41,10 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def run_client(url: str, model_dir: str, served_name: str, workload: Workload, trace: Path,
-               result: Path, log: Path) -> dict:
+               result: Path, log: Path, extra_body: dict | None = None) -> dict:
     """Replay ``workload`` (written to ``trace``) with vLLM's client on its own clock; returns the
-    client's result JSON with the counters' deltas under ``"counters"``.
+    client's result JSON with the counters' deltas under ``"counters"``. ``extra_body``: more fields of
+    every request (a tenant's ``cache_salt``).
 
     Raises:
         RuntimeError: the client exited with an error (its log's tail says why).
@@ -56,6 +57,8 @@ def run_client(url: str, model_dir: str, served_name: str, workload: Workload, t
             "--timed-trace-sec-multiplier", repr(workload.sec_multiplier), "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
             "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
+    if extra_body:
+        argv += ["--extra-body", json.dumps(extra_body)]
     env = dict(os.environ, PYTHONHASHSEED=HASH_SEED, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     before = scrape(url)
     with open(log, "ab") as fh:
