@@ -9,12 +9,12 @@ other output buckets, damaged) is ignored and the models start empty; saving nev
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import msgpack
 
 from tierkv.cache.reuse import ReuseModel
+from tierkv.core.paths import replace_file
 
 log = logging.getLogger("tierkv.daemon.learned")
 
@@ -46,19 +46,9 @@ def load(models: dict[str, ReuseModel], data_dir: str | Path) -> dict[str, bool]
 def save(models: dict[str, ReuseModel], data_dir: str | Path) -> bool:
     """Write every model's counts to ``data_dir`` (atomically); False, logged, if it could not."""
     path = Path(data_dir) / FILE
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        blob = msgpack.packb({name: m.counts() for name, m in models.items()})
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(path, msgpack.packb({name: m.counts() for name, m in models.items()}))
         return True
     except (OSError, ValueError, TypeError) as exc:
         log.warning("learned reuse classes not saved to %s: %s", path, exc)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         return False

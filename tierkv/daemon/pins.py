@@ -8,13 +8,13 @@ never fails a request.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import msgpack
 
 from tierkv.cache.table import BlockTable
 from tierkv.core.keys import FINGERPRINT_BYTES, Namespace
+from tierkv.core.paths import replace_file
 
 log = logging.getLogger("tierkv.daemon.pins")
 
@@ -28,21 +28,11 @@ def save(table: BlockTable, data_dir: str | Path) -> bool:
     fps = {fk[:FINGERPRINT_BYTES] for fk, _ in pins}
     spaces = {fp: ns.to_dict() for fp in fps if (ns := table.namespaces.get(fp)) is not None}
     path = Path(data_dir) / FILE
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(msgpack.packb({"namespaces": spaces, "pins": pins}))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
+        replace_file(path, msgpack.packb({"namespaces": spaces, "pins": pins}))
         return True
     except (OSError, ValueError, TypeError) as exc:
         log.warning("pins not saved to %s: %s", path, exc)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         return False
 
 

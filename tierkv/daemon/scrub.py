@@ -14,6 +14,7 @@ from pathlib import Path
 from tierkv.cache.block import Block
 from tierkv.cache.disk_manager import DiskManager
 from tierkv.cache.table import BlockTable
+from tierkv.core.paths import replace_file
 from tierkv.movers.disk_scan import CORRUPT, EARLIER, FOREIGN, REASONS, header_of, scan_headers
 from tierkv.tiers.disk import DiskTier
 
@@ -55,9 +56,6 @@ def save_scan(data_dir: str | os.PathLike[str], summary: dict[str, int]) -> None
     """Keep what the start-up scan found (``tierkv doctor`` reports it); a failure only logs."""
     path = Path(data_dir) / SCAN_FILE
     try:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"at": time.time(), **summary}))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
+        replace_file(path, json.dumps({"at": time.time(), **summary}).encode())
     except OSError as exc:
         log.warning("cannot keep the start-up scan's summary in %s: %s", path, exc)
