@@ -247,6 +247,10 @@ def test_slot_offsets_out_of_range(live):
                        [[0, "k"]], [[0, None], [0, None]], [[0, None]] * 2, [[0.0, None]]):
             status, reply = c.call(Op.COMMIT, {"keys": key, "slots": [mine], "chains": chains})
             assert status == protocol.STATUS_ERROR and reply["code"] == "bad_request", (chains, reply)
+        # whose quotas count the blocks: increasing [index, tenant] pairs, tenant nil or a short name
+        for tenants in (5, [5], [[0]], [[1, "t"]], [[0, ""]], [[0, "t" * 257]], [[0, b"t"]], [[0, "t"], [0, "u"]]):
+            status, reply = c.call(Op.COMMIT, {"keys": key, "slots": [mine], "tenants": tenants})
+            assert status == protocol.STATUS_ERROR and reply["code"] == "bad_request", (tenants, reply)
         assert state_of(live) == before
         # ours still commits after all that
         assert c.ok(Op.COMMIT, {"keys": key, "slots": [mine], "chains": [[0, os.urandom(16)]]})["new"] == 1

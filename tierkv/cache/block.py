@@ -165,6 +165,22 @@ def validate_keys(keys: object, limit: int = 1 << 16) -> list[bytes]:
     return keys
 
 
+def _index_pairs(value: object, n: int, field: str, item: str) -> list[tuple[int, object]]:
+    """``value`` as ``[index, item]`` pairs with increasing indexes below ``n``, at most one per key.
+
+    Raises:
+        BadRequest: it is not.
+    """
+    if not isinstance(value, list) or len(value) > n:
+        raise BadRequest(f"{field} must be a list of [index, {item}] pairs, at most one a key")
+    last = -1
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int or not last < pair[0] < n:
+            raise BadRequest(f"{field} must be [index, {item}] pairs with increasing indexes below {n}")
+        last = pair[0]
+    return [(i, v) for i, v in value]
+
+
 def validate_chains(chains: object, n: int) -> dict[int, bytes | None]:
     """Check a commit's ``chains`` field: where chains of its ``n`` keys start, each a pair of an
     increasing index and the key that chain continues (or nil). Missing: one chain with no parent.
@@ -174,18 +190,11 @@ def validate_chains(chains: object, n: int) -> dict[int, bytes | None]:
     """
     if chains is None:
         return {0: None}
-    if not isinstance(chains, list) or len(chains) > n:
-        raise BadRequest("chains must be a list of [index, parent] pairs, at most one a key")
     out: dict[int, bytes | None] = {}
-    last = -1
-    for pair in chains:
-        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int or not last < pair[0] < n:
-            raise BadRequest(f"chains must be [index, parent] pairs with increasing indexes below {n}")
-        parent = pair[1]
+    for i, parent in _index_pairs(chains, n, "chains", "parent"):
         if parent is not None and (type(parent) is not bytes or not 0 < len(parent) <= MAX_KEY_BYTES):
             raise BadRequest(f"a chain's parent must be nil or a key of 1..{MAX_KEY_BYTES} bytes")
-        out[pair[0]] = parent
-        last = pair[0]
+        out[i] = parent
     return out
 
 
@@ -201,18 +210,11 @@ def validate_tenants(tenants: object, n: int) -> dict[int, str | None]:
     """
     if tenants is None:
         return {}
-    if not isinstance(tenants, list) or len(tenants) > n:
-        raise BadRequest("tenants must be a list of [index, tenant] pairs, at most one a key")
     out: dict[int, str | None] = {}
-    last = -1
-    for pair in tenants:
-        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int or not last < pair[0] < n:
-            raise BadRequest(f"tenants must be [index, tenant] pairs with increasing indexes below {n}")
-        t = pair[1]
+    for i, t in _index_pairs(tenants, n, "tenants", "tenant"):
         if t is not None and (not isinstance(t, str) or not 0 < len(t) <= MAX_TENANT):
             raise BadRequest(f"a tenant must be nil or a name of 1..{MAX_TENANT} characters")
-        out[pair[0]] = None if t is None else sys.intern(t)  # one string per tenant, however many blocks
-        last = pair[0]
+        out[i] = None if t is None else sys.intern(t)  # one string per tenant, however many blocks
     return out
 
 
