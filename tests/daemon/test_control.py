@@ -297,3 +297,34 @@ def test_a_pinned_prefix_is_pinned_in_host_memory_again_after_a_restart(control)
         assert _call(port, "POST", "unpin", {"model": "ctl-a", "tokens": tokens}) == (200, {"unpinned": 4})
     control.restart()
     assert _call(port, "GET", "status")[1]["pins"]["blocks"] == 0, "an unpin is kept too"
+
+
+def test_a_pin_whose_disk_write_was_refused_is_written_at_shutdown_and_pinned_again(control):
+    """A pin's blocks go to disk so a restart pins them again. Where the disk could not take them then
+    (full of a tenant's blocks its quota shields), a graceful stop writes them once it can, even with
+    the shutdown flush of every other dirty block off."""
+    from tests.helpers import wait_for
+    from tierkv.core.errors import TierKVError
+
+    control.stop()
+    control.env["TIERKV_SERVER_FLUSH_ON_SHUTDOWN"] = "false"
+    control.start()
+    port = control.port
+    tokens = _prompt(40, 32)
+    with control.client(model="ctl-a") as c:
+        _call(port, "POST", "quotas", {"tenant": "t", "disk": 64 << 20})  # more than the disk: always shielded
+        for i in range(32):  # 8 MiB of t's values: the disk is full of blocks no other tenant may evict
+            try:
+                c.put(c.block_keys(_prompt(900 + i, 32)), rand_blocks(32, seed=i), durable=True, tenant="t")
+            except TierKVError:
+                break
+        keys = c.block_keys(tokens)
+        c.put(keys, rand_blocks(32, seed=40))  # more than the room left under the disk's high watermark
+        refused = c.stats()["tiers"]["disk"]["errors"]
+        assert _call(port, "POST", "pin", {"model": "ctl-a", "tokens": tokens})[1]["pinned"] == 32
+        assert wait_for(lambda: c.stats()["tiers"]["disk"]["errors"] > refused), "the pin's write is refused"
+        _call(port, "POST", "quotas", {"tenant": "t", "disk": None})  # t's values may go now
+    control.restart()
+    assert _call(port, "GET", "status")[1]["pins"]["blocks"] == 32
+    with control.client(model="ctl-a") as c:
+        assert c.lookup_tiers(keys) == ["host"] * 32

@@ -145,6 +145,7 @@ class BlockStore:
         """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and the pools."""
         with self.ctx.lock:
             learned.save(self.signals.learned_models(), self.data_dir)
+        self.retention.flush_pins(timeout)
         self.ctx.close()
         self.evictor.stop()
         self.engine.close(timeout)

@@ -124,7 +124,11 @@ class Evictor:
                 pass
             dirty = [b for b in self.table.records() if b.host_ready and not b.on_disk and not b.writing]
             batch = ctx.cfg.disk.write_batch
-            jobs = [self.transfers.store(dirty[i:i + batch]) for i in range(0, len(dirty), batch)]
+            # pinned blocks in batches of their own, first: a batch the disk cannot make room for fails
+            # whole, and a pinned block left unwritten is not pinned again at the next start
+            pinned, rest = [b for b in dirty if b.pin], [b for b in dirty if not b.pin]
+            jobs = [self.transfers.store(part[i:i + batch]) for part in (pinned, rest)
+                    for i in range(0, len(part), batch)]
         for j in jobs:
             j.wait(max(0.0, deadline - time.monotonic()))
         return sum(1 for j in jobs if j.done.is_set() and j.error is None for m in j.moves if m.ok)

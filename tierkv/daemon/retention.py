@@ -68,12 +68,31 @@ class Retention:
 
     def _keep_pins(self, dirty: list[Block] | None = None) -> None:
         """Pins changed: keep them for the next start, and write the pinned blocks not on disk yet there
-        (in the background). Lock held."""
+        (a write no other gives way to: nobody waits for it, but a block left unwritten would not be
+        pinned again after a restart). Lock held."""
         if self.pins_dir is None:
             return
         pins.save(self.table, self.pins_dir)
         if dirty:
-            self.transfers.store(dirty, background=True)
+            self.transfers.store(dirty)
+
+    def flush_pins(self, timeout: float) -> bool:
+        """Write the pinned blocks not on disk yet (a write refused or failed earlier) and wait up to
+        ``timeout`` seconds; at shutdown, so the next start pins all of them again. True when none is
+        left unwritten."""
+        if self.pins_dir is None or self.disk is None:
+            return True
+        with self.ctx.lock:
+            dirty = [b for b in self.table.records()
+                     if b.pin and not b.on_disk and not b.writing and b.host_off is not None]
+            job = self.transfers.store(dirty) if dirty else None
+        if job is not None:
+            job.wait(timeout)
+        with self.ctx.lock:
+            left = sum(1 for b in self.table.records() if b.pin and not b.on_disk)
+        if left:
+            log.warning("pins: %d pinned blocks are not on disk and will not be pinned at the next start", left)
+        return not left
 
     def restore(self) -> int:
         """Pin again what the previous run kept pinned and is still on disk (loaded into host memory),
