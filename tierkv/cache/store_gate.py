@@ -11,7 +11,9 @@ of a return times the seconds recomputing the block costs beats the seconds stor
 
 A return is seen two ways, so that a skipped block teaches the gate as much as a stored one: a stored
 block served for the first time (:meth:`StoreGate.read`), and a block offered again (its request
-recomputed it because it was skipped, or because it was stored and has since left every tier). Every
+recomputed it because it was skipped, or because it was stored and has since left every tier). A block
+offered again is stored then, whatever its bucket's estimate, where storing costs less than recomputing
+it: its reuse is no longer a guess, and a workload without reuse never offers a block twice. Every
 offered block is remembered in a ghost list of ``ghost_entries`` keys with its class and bucket; the
 estimate is ``(returns + prior * prior_weight) / (offers + prior_weight)`` over counts that halve every
 ``half_life`` offers of the bucket, so a workload without reuse stops being stored within
@@ -72,7 +74,7 @@ class StoreGate:
 
     SETTINGS = {
         "prior": Setting(0.3, "return chance assumed for a bucket with no offers yet", min=0.0, max=1.0),
-        "prior_weight": Setting(1.0, "offers the prior weighs as", min=0.1),
+        "prior_weight": Setting(3.0, "offers the prior weighs as", min=0.1),
         "half_life": Setting(256.0, "offers of a bucket over which its counts halve", min=16.0),
         "ghost_entries": Setting(1 << 17, "offered keys remembered to see them come back", min=16),
         "min_return": Setting(0.05, "a bucket returning less often than this is never stored, whatever the "
@@ -148,11 +150,13 @@ class StoreGate:
         the ones seen before, remember them all, and return how many leading ones to store (``cut``:
         none, the request stopped storing earlier; offered only to learn from)."""
         counts = self._class(cls)
-        for key in keys:
-            if key in self._ghosts:
+        back = [key in self._ghosts for key in keys]
+        for key, seen in zip(keys, back):
+            if seen:
                 self._returned(key)
         n = 0
-        while not cut and n < len(keys) and self.pays(cls, first + n, costs):
+        while not cut and n < len(keys) and (self.pays(cls, first + n, costs)
+                                             or (back[n] and costs.store_s < costs.recompute_s(first + n))):
             n += 1
         ghosts, limit = self._ghosts, int(self._settings["ghost_entries"])
         keep = 0.5 ** (1.0 / self._settings["half_life"])
