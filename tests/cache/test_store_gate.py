@@ -23,9 +23,12 @@ def test_a_stream_without_reuse_stops_being_stored_within_a_bounded_number_of_re
     g = StoreGate()
     stored = [g.offer("ns", unique(i, 6), 0, CHEAP) for i in range(60)]
     assert stored[0] == 6  # nothing known yet: the prior says store
-    # p = prior * w / (n + w) falls under min_return (0.05) after w * (prior / 0.05 - 1) = 15 offers of a
-    # bucket (w = 3): deeper buckets (two positions a request) first, the first one from the 17th request on
-    assert stored[:8] == [6] * 8 and stored[8:16] == [2] * 8 and all(n == 0 for n in stored[16:])
+    # p = prior * w / (n + w) falls under min_return (0.05) after w * (prior / 0.05 - 1) = 5 offers of a
+    # bucket: deeper buckets (two positions a request) first, the first one from the seventh request on
+    assert stored[:3] == [6] * 3 and stored[3:6] == [2] * 3 and all(n == 0 for n in stored[6:])
+    g3 = StoreGate(prior_weight=3.0)  # store.prior_weight: 15 offers of a bucket
+    heavier = [g3.offer("ns", unique(i, 6), 0, CHEAP) for i in range(60)]
+    assert heavier[:8] == [6] * 8 and heavier[8:16] == [2] * 8 and all(n == 0 for n in heavier[16:])
     assert g.c.offered == 360 and g.c.stored == sum(stored) and g.c.skipped == 360 - sum(stored)
     assert g.c.returns == 0
 
@@ -89,7 +92,7 @@ def test_costs_set_the_bar_and_all_stores_everything():
         g.offer("ns", keys, 0, CHEAP)
         if i % 4 == 0:
             g.read(keys[0])
-    assert g.chance("ns", 0) == pytest.approx((2 + 0.3 * 3) / (6 + 3), abs=0.05)
+    assert g.chance("ns", 0) == pytest.approx((2 + 0.3) / (6 + 1), abs=0.05)
     assert g.offer("ns", unique(50, 1), 0, CHEAP) == 1
     dear = BlockCosts(recompute_s=lambda pos: 0.1, store_s=0.09)  # storing costs 90% of recomputing
     assert g.offer("ns", unique(51, 1), 0, dear) == 0

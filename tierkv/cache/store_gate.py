@@ -74,7 +74,7 @@ class StoreGate:
 
     SETTINGS = {
         "prior": Setting(0.3, "return chance assumed for a bucket with no offers yet", min=0.0, max=1.0),
-        "prior_weight": Setting(3.0, "offers the prior weighs as", min=0.1),
+        "prior_weight": Setting(1.0, "offers the prior weighs as", min=0.1),
         "half_life": Setting(256.0, "offers of a bucket over which its counts halve", min=16.0),
         "ghost_entries": Setting(1 << 17, "offered keys remembered to see them come back", min=16),
         "min_return": Setting(0.05, "a bucket returning less often than this is never stored, whatever the "

@@ -130,7 +130,8 @@ class BlockStore:
         self.slots = Slots(ctx, m.host, m.gpu)
         self.gpu_path = None if self.gpu is None else GpuPath(ctx, m, self.gpu, self.slots, tr)
         self.evictor = Evictor(ctx, m, tr, self.gpu_path)
-        self.gate = StoreGate(ctx.cfg.store.gate, min_return=ctx.cfg.store.min_return)
+        self.gate = StoreGate(ctx.cfg.store.gate, min_return=ctx.cfg.store.min_return,
+                              prior_weight=ctx.cfg.store.prior_weight)
         self.signals = Signals(ctx, m, (self.host_reuse, self.admission), self.gate, self.cost)
         self.store_path = StorePath(ctx, m, self.slots, tr, self.signals)
         self.fetch_path = FetchPath(ctx, m, self.slots, tr)
@@ -145,7 +146,7 @@ class BlockStore:
         """Keep what the reuse models learned, stop threads, finish in-flight writes, close LMDB and the pools."""
         with self.ctx.lock:
             learned.save(self.signals.learned_models(), self.data_dir)
-        self.retention.flush_pins(timeout)
+        self.retention.at_stop(timeout)
         self.ctx.close()
         self.evictor.stop()
         self.engine.close(timeout)

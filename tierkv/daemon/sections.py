@@ -166,6 +166,8 @@ class DiskConfig:
     """fsync each write transaction (required for durable acknowledgements)."""
     write_batch: int = 256
     """Most blocks written in one LMDB transaction (transactions also stop at about 48 MiB)."""
+    max_pinned_fraction: float = 0.5
+    """Prefixes pinned on disk (``pin --tier disk``) may hold at most this share of the disk tier."""
     policy: str = "attention"
     """Eviction policy for this tier: what to drop above the high watermark (lru, lfu, slru, gdsf, attention)."""
     idle_aging: float = 0.5
@@ -299,6 +301,10 @@ class StoreConfig:
     cores also run the daemon's commits, encodes and disk writes, about 1 GiB/s)."""
     min_return: float = 0.05
     """Blocks at a position that comes back less often than this are not stored, whatever the costs say."""
+    prior_weight: float = 1.0
+    """Offers the gate's prior return chance (0.3) weighs as, for a position it has seen few offers of:
+    higher stores more of a workload's first requests (more hits where blocks come back, more stored
+    where none do)."""
 
 
     def validate(self) -> None:
@@ -309,6 +315,8 @@ class StoreConfig:
             raise ValueError("store.cost_bytes_per_s must be > 0")
         if not 0 <= self.min_return <= 1:
             raise ValueError(f"store.min_return must be within 0..1, got {self.min_return!r}")
+        if not self.prior_weight >= 0.1:
+            raise ValueError(f"store.prior_weight must be >= 0.1, got {self.prior_weight!r}")
 
 
 def check_watermarks(name: str, low: float, high: float) -> None:

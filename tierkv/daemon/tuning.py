@@ -62,7 +62,8 @@ class Tuner:
                 self._swap_disk_policy(disk_policy)
             self.set_config(new)
             self.admission.update(mode=new.disk.admission, shadow_rate=new.disk.shadow_rate)
-            self.gate.update(mode=new.store.gate, min_return=new.store.min_return)
+            self.gate.update(mode=new.store.gate, min_return=new.store.min_return,
+                             prior_weight=new.store.prior_weight)
             if disk is not None:
                 disk.capacity = new.disk.capacity
             if engine.cpu_share is not None:

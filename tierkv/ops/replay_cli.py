@@ -13,6 +13,7 @@ import click
 
 from tierkv.cache.admission import MODES
 from tierkv.cache.policy import policy_class, policy_names
+from tierkv.core.units import parse_size
 from tierkv.daemon.config import Config, load_config
 from tierkv.sim.advise import advise_admission
 from tierkv.sim.replay import (
@@ -227,6 +228,9 @@ def _print_profile(p: dict[str, Any]) -> None:
 @click.option("--store-gate", type=click.Choice(["all", "predicted"]), default="all", show_default=True,
               help="Which missed pages are stored: all (as a plain client stores), or those the daemon's store "
                    "gate keeps, as an engine's vLLM connector asks it (store.* settings of the config).")
+@click.option("--quota", "quota_args", multiple=True, metavar="TENANT:TIER=SIZE",
+              help="A tenant's quota (trace lines name their tenant in 'tenant'), e.g. quiet:host=2GiB "
+                   "(repeatable); decided as the daemon decides, with each tenant's hit rate reported.")
 @click.option("--limit", default=None, type=click.IntRange(1), help="Replay only the first N requests.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
@@ -236,7 +240,8 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
            trace_block_tokens: int, kv_bytes_per_token: int, host_bw: str, disk_bw: str, disk_write_bw: str,
            disk_latency_ms: float, disk_compression: float, admission: str, disk_admission: bool | None,
            disk_exclusive: bool, config_path: Path | None, prefill_rate: float,
-           attn_double_tokens: float, sets: tuple[str, ...], store_gate: str, limit: int | None, as_json: bool,
+           attn_double_tokens: float, sets: tuple[str, ...], store_gate: str, quota_args: tuple[str, ...],
+           limit: int | None, as_json: bool,
            plot_path: str | None, advise: bool) -> None:
     """Replay a Mooncake-format TRACE through the daemon's eviction policies.
 
@@ -261,7 +266,9 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
                               kv_bytes_per_token=kv_bytes_per_token, prefill_tokens_per_s=prefill_rate,
                               attn_double_tokens=attn_double_tokens, policy_settings=_policy_settings(sets),
                               store_gate=store_gate, store_cost_bytes_per_s=float(daemon.store.cost_bytes_per_s),
-                              store_gate_settings={"min_return": daemon.store.min_return})
+                              store_gate_settings={"min_return": daemon.store.min_return,
+                                                   "prior_weight": daemon.store.prior_weight},
+                              quotas=_quotas(quota_args))
         requests = load_trace(trace)
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -284,10 +291,31 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         click.echo(f"{trace.name}: {len(requests):,} requests, {workload.unique_pages:,} unique pages of "
                    f"{page_tokens} tokens ({fmt_bytes(workload.unique_pages * config.page_bytes)})")
         click.echo(_table(results, [t.name for t in tiers]))
+        _print_tenants(results)
     if plot_path:
         _plot(results, plot_path)
         if not as_json:
             click.echo(f"plot written to {plot_path}")
+
+
+def _print_tenants(results: list[ReplayResult]) -> None:
+    for r in results:
+        if r.tenant_hit_rate:
+            rates = ", ".join(f"{t} {v * 100:.1f}%" for t, v in r.tenant_hit_rate.items())
+            click.echo(f"tenants, {r.policy} at {r.capacity}: {rates}")
+
+
+def _quotas(args: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """``--quota TENANT:TIER=SIZE`` values as ``{tenant: {tier: bytes}}``."""
+    out: dict[str, dict[str, int]] = {}
+    for arg in args:
+        tenant, _, rest = arg.rpartition(":")
+        tier, _, size = rest.partition("=")
+        if not tenant or tier not in ("host", "disk") or not size:
+            raise click.BadParameter(f"{arg!r}: expected TENANT:TIER=SIZE with TIER host or disk",
+                                     param_hint="--quota")
+        out.setdefault(tenant, {})[tier] = parse_size(size)
+    return out
 
 
 def _check_names(policies: str) -> list[str]:
