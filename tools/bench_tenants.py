@@ -7,11 +7,15 @@ little more, with no disk tier, so a block pushed out is gone. Three runs, each 
 server: the quiet tenant ``alone``; with the ``flood`` and no quota; with the flood and a host quota for
 the quiet tenant the size of its working set (``quota``, set through the control API before the load).
 
-Per run: the quiet tenant's TTFT p50/p99 and TPOT p50 from its client, and the prompt tokens the
-connector served (vLLM's ``external_prefix_cache_hits`` over the run: the noisy prompts share nothing,
-so these are the quiet tenant's), with the daemon's per-tenant figures.
+Per run: the quiet tenant's TTFT p50/p99 and TPOT p50 from its client, the prompt tokens the connector
+served over the run (vLLM's ``external_prefix_cache_hits``, both tenants), and per tenant the blocks the
+daemon served it and the blocks its engine computed (``GET /v1/tenants``: each tenant is accounted by a
+quota on the disk tier, which this daemon does not run, so it bounds nothing). ``--store-gate all``
+stores every block the noisy tenant computes, as a flood the store gate would keep (one whose prompts do
+come back) is stored.
 
     python tools/bench_tenants.py                      # JSON in bench-results/bench_tenants.json
+    python tools/bench_tenants.py --store-gate all --out bench-results/bench_tenants_all.json
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ TOKEN = "bench-tenants-control-token"
 
 
 @contextlib.contextmanager
-def stack(model: str, work: Path, host_bytes: int, vllm_blocks: int) -> Iterator[tuple[CappedServer, int]]:
+def stack(model: str, work: Path, host_bytes: int, vllm_blocks: int,
+          gate: str) -> Iterator[tuple[CappedServer, int]]:
     """A daemon (host tier only, its control API on) and vLLM with tierkv's connector; yields the
     server and the control port."""
     work.mkdir(parents=True, exist_ok=True)
@@ -47,7 +52,8 @@ def stack(model: str, work: Path, host_bytes: int, vllm_blocks: int) -> Iterator
     token.write_text(TOKEN)
     token.chmod(0o600)
     daemon = Daemon(work / "tierkv-data", sock, ["--host-capacity", f"{max(1, host_bytes // MIB)}MiB", "--no-disk",
-                                                 "--metrics-addr", str(port), "--control-token-file", str(token)])
+                                                 "--metrics-addr", str(port), "--control-token-file", str(token)],
+                    env={"TIERKV_STORE_GATE": gate})
     daemon.start()
     try:
         kv = connector_config(None)
@@ -70,7 +76,9 @@ def run(name: str, args: argparse.Namespace, model: str, work: Path, quiet: work
         noisy: workloads.Workload, host: int, quiet_bytes: int) -> dict:
     out: dict = {"run": name, "host_bytes": host}
     t0 = time.monotonic()
-    with stack(model, work / name, host, args.vllm_blocks) as (server, port):
+    with stack(model, work / name, host, args.vllm_blocks, args.store_gate) as (server, port):
+        for tenant in ("quiet", "noisy"):  # accounted: a quota on the disk tier, which this daemon has not
+            control(port, "quotas", {"tenant": tenant, "disk": 1 << 50})
         if name == "quota":
             control(port, "quotas", {"tenant": "quiet", "host": quiet_bytes})
         flood: dict = {}
@@ -88,10 +96,11 @@ def run(name: str, args: argparse.Namespace, model: str, work: Path, quiet: work
             out["noisy"] = {k: flood.get(k) for k in ("completed", "mean_ttft_ms", "request_throughput")}
         out["tenants"] = control(port, "tenants")["tenants"]
     out["wall_s"] = time.monotonic() - t0
-    q = out["quiet"]
+    q, t = out["quiet"], out["tenants"]
+    per = ", ".join(f"{k} served {v['hits']} / computed {v['misses']} blocks" for k, v in t.items())
     print(f"[{name}] quiet TTFT p50 {q['p50_ttft_ms']:.0f} ms, p99 {q['p99_ttft_ms']:.0f} ms, TPOT p50 "
           f"{q['p50_tpot_ms']:.1f} ms, connector tokens {q['counters']['vllm:external_prefix_cache_hits']:.0f} "
-          f"of {q['counters']['vllm:prompt_tokens']:.0f} prompt tokens ({out['wall_s']:.0f} s)", flush=True)
+          f"of {q['counters']['vllm:prompt_tokens']:.0f} prompt tokens; {per} ({out['wall_s']:.0f} s)", flush=True)
     return out
 
 
@@ -104,6 +113,8 @@ def main() -> None:
     ap.add_argument("--host-share", type=float, default=1.25, help="host tier / the quiet tenant's working set")
     ap.add_argument("--vllm-blocks", type=int, default=32, help="vLLM's own KV blocks of 128 tokens")
     ap.add_argument("--runs", default="alone,flood,quota")
+    ap.add_argument("--store-gate", choices=["predicted", "all"], default="predicted",
+                    help="the daemon's store.gate: all stores every block (the flood too)")
     ap.add_argument("--out", default="bench-results/bench_tenants.json")
     args = ap.parse_args()
     model = str(ensure_converted())
@@ -126,9 +137,10 @@ def main() -> None:
         for name in ("flood", "quota"):
             if name in base:
                 q = base[name]
+                served = {r["run"]: r["tenants"]["quiet"]["hits"] for r in results}
                 print(f"{name} / alone: TTFT p50 {q['p50_ttft_ms'] / a['p50_ttft_ms']:.2f}x  p99 "
-                      f"{q['p99_ttft_ms'] / a['p99_ttft_ms']:.2f}x  connector tokens "
-                      f"{q['counters']['vllm:external_prefix_cache_hits'] / max(1.0, a['counters']['vllm:external_prefix_cache_hits']):.2f}x")
+                      f"{q['p99_ttft_ms'] / a['p99_ttft_ms']:.2f}x  quiet blocks served "
+                      f"{served[name] / max(1, served['alone']):.2f}x")
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def test_bad_requests_get_one_clear_error_and_change_nothing(control):
         c.put(c.block_keys(big)[:72], rand_blocks(72, seed=7))
         status, reply = _call(port, "POST", "pin", {"model": "ctl-a", "tokens": big})
         assert status == 409 and "bytes would exceed host.max_pinned_fraction" in reply["error"]
-        assert _call(port, "GET", "status")[1]["pins"] == {"blocks": 0, "bytes": 0}, "a refused pin pins nothing"
+        assert _call(port, "GET", "status")[1]["pins"]["blocks"] == 0, "a refused pin pins nothing"
         assert c.lookup(keys) == 2
 
 
@@ -182,7 +182,7 @@ def test_the_python_client_and_the_cli_do_the_same_operations(control, tmp_path)
         assert cli("tenants")["tenants"]["t1"]["quota"] == {"host": None, "disk": 1 << 20}
         assert cli("unpin", ids, "--model", "ctl-a") == {"unpinned": 2}
         assert cli("delete", ids, "--model", "ctl-a") == {"deleted": 2}
-        assert cli("status")["pins"] == {"blocks": 0, "bytes": 0}
+        assert cli("status")["pins"] == {"blocks": 0, "bytes": 0, "disk_blocks": 0, "disk_bytes": 0}
         bad = subprocess.run([sys.executable, "-m", "tierkv", "control", "pin", "1,x", "--model", "ctl-a",
                               "--addr", str(control.port), "--token-file", str(token)],
                              capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -328,3 +328,137 @@ def test_a_pin_whose_disk_write_was_refused_is_written_at_shutdown_and_pinned_ag
     assert _call(port, "GET", "status")[1]["pins"]["blocks"] == 32
     with control.client(model="ctl-a") as c:
         assert c.lookup_tiers(keys) == ["host"] * 32
+
+
+def test_pins_are_counted_and_a_pin_on_disk_keeps_the_values_there_across_a_restart(control):
+    """Two pins of a prefix need two unpins; a pin on disk writes what host memory holds only, keeps the
+    values through a flood of the disk and a restart, and lets the host copies go."""
+    port = control.port
+    host_tokens, disk_tokens = _prompt(60, 4), _prompt(61, 6)
+    with control.client(model="ctl-a") as c:
+        hkeys, dkeys = c.block_keys(host_tokens), c.block_keys(disk_tokens)
+        c.put(hkeys, rand_blocks(4, seed=60))
+        c.put(dkeys, rand_blocks(6, seed=61))  # in host memory only
+        pin = {"model": "ctl-a", "tokens": host_tokens}
+        assert _call(port, "POST", "pin", pin)[1]["pinned"] == 4
+        assert _call(port, "POST", "pin", pin)[1]["pinned"] == 4
+        assert _call(port, "POST", "unpin", pin) == (200, {"unpinned": 4})
+        assert _call(port, "GET", "status")[1]["pins"]["blocks"] == 4, "one pin of two ended: still pinned"
+        on_disk = {"model": "ctl-a", "tokens": disk_tokens, "tier": "disk"}
+        assert _call(port, "POST", "pin", on_disk) == (200, {"pinned": 6, "missing": 0})
+        pins = _call(port, "GET", "status")[1]["pins"]
+        assert pins["disk_blocks"] == 6 and pins["disk_bytes"] == 6 * SMALL.block_bytes
+        _flood(c, 1536, seed=800)  # past the host tier and the disk
+        assert c.lookup_tiers(hkeys) == ["host"] * 4
+        assert c.lookup_tiers(dkeys) == ["disk"] * 6, "pinned on disk: evicted from host memory, not from disk"
+        assert c.get(dkeys).shape[0] == 6
+    control.restart()
+    pins = _call(port, "GET", "status")[1]["pins"]
+    assert pins["blocks"] == 4 and pins["disk_blocks"] == 6
+    with control.client(model="ctl-a") as c:
+        _flood(c, 1536, seed=900)
+        assert c.lookup(dkeys) == 6 and c.lookup_tiers(hkeys) == ["host"] * 4
+        assert _call(port, "POST", "unpin", pin) == (200, {"unpinned": 4}), "the count survived the restart"
+        assert _call(port, "POST", "unpin", on_disk) == (200, {"unpinned": 6})
+        assert _call(port, "GET", "status")[1]["pins"] == {"blocks": 0, "bytes": 0, "disk_blocks": 0, "disk_bytes": 0}
+        _flood(c, 1536, seed=1000)
+        assert c.lookup(dkeys) < 6 and "host" not in c.lookup_tiers(hkeys), "unpinned, floods evict them"
+        status, reply = _call(port, "POST", "pin", {**on_disk, "tier": "tape"})
+        assert status == 400 and "tier must be host or disk" in reply["error"]
+
+
+def test_a_saved_prompt_list_is_warmed_with_progress_and_a_result(control, tmp_path):
+    port = control.port
+    prompts = [_prompt(70 + i, 3) for i in range(40)]
+    with control.client(model="ctl-a") as c:
+        for i, p in enumerate(prompts[:36]):  # the last 4 were never cached
+            c.put(c.block_keys(p), rand_blocks(3, seed=70 + i), durable=True)
+    control.restart()  # host memory starts empty
+    status, body = _call(port, "POST", "warm", {"model": "ctl-a", "prompts": prompts[:2]})
+    assert status == 200 and body["warmed"] == 6 and body["from"] == {"disk": 6} and body["prompts"] == 2
+    listing = tmp_path / "prompts.jsonl"
+    listing.write_text("".join(json.dumps({"tokens": p} if i % 2 else p) + "\n" for i, p in enumerate(prompts)))
+    out = subprocess.run([sys.executable, "-m", "tierkv", "control", "warm", "--prompts", str(listing), "--model",
+                          "ctl-a", "--addr", str(port), "--token-file", str(tmp_path / "token")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    assert body["prompts"] == 40 and body["warmed"] == 34 * 3 and body["already"] == 6 and body["missing"] == 12
+    assert body["bytes"] == 34 * 3 * SMALL.block_bytes
+    assert out.stderr.count("warm: ") == 2 and "warm: 40/40 prompts" in out.stderr, "progress after each batch"
+    with control.client(model="ctl-a") as c:
+        assert all(c.lookup_tiers(c.block_keys(p)) == ["host"] * 3 for p in prompts[:36])
+    bad = {"model": "ctl-a", "prompts": [prompts[0], [1, "x"]]}
+    assert _call(port, "POST", "warm", bad)[0] == 400
+    assert _call(port, "POST", "warm", {"model": "ctl-a", "prompts": []})[0] == 400
+
+
+def test_delete_by_tenant_takes_its_blocks_in_every_namespace_and_kv_events_announce_it(daemon_factory, tmp_path):
+    from tests.daemon.test_kv_events import settle
+    from tierkv.client.events import EventIndex
+
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    port = free_port()
+    ep, rep = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    d = daemon_factory(["--metrics-addr", str(port), "--control-token-file", str(token), "--kv-events", ep,
+                        "--kv-events-replay", rep])
+    index = EventIndex(ep, replay=rep).start()
+    try:
+        with d.client(model="ctl-a") as a, d.client(model="ctl-b") as b:
+            for c, seed in ((a, 1), (b, 2)):
+                for tenant in ("gone", "stays"):
+                    keys = chain_keys(c.fingerprint, _prompt(seed, 4), BT, salt_root(c.fingerprint, tenant))
+                    c.put(keys, rand_blocks(4, seed=seed), durable=True, tenant=tenant)
+            assert settle(d, index) == {"CPU": 16, "DISK": 16}
+            pin = {"model": "ctl-a", "tokens": _prompt(1, 4), "salt": "gone"}
+            assert _call(port, "POST", "pin", pin)[1]["pinned"] == 4
+            assert _call(port, "POST", "delete", {"tenant": "gone", "tiers": ["host"]}) == (200, {"deleted": 4})
+            assert _call(port, "POST", "delete", {"tenant": "gone", "model": "ctl-a", "force": True}) == \
+                (200, {"deleted": 4})
+            assert settle(d, index) == {"CPU": 8, "DISK": 12}
+            assert _call(port, "POST", "delete", {"tenant": "gone"}) == (200, {"deleted": 4})
+            assert settle(d, index) == {"CPU": 8, "DISK": 8}, "every deletion is in the events"
+            for c, seed in ((a, 1), (b, 2)):
+                stays = chain_keys(c.fingerprint, _prompt(seed, 4), BT, salt_root(c.fingerprint, "stays"))
+                gone = chain_keys(c.fingerprint, _prompt(seed, 4), BT, salt_root(c.fingerprint, "gone"))
+                assert c.lookup(stays) == 4 and c.lookup(gone) == 0
+            status, reply = _call(port, "POST", "delete", {"tenant": "x", "tokens": _prompt(1, 4), "model": "ctl-a"})
+            assert status == 400 and "not both" in reply["error"]
+    finally:
+        index.close()
+
+
+def test_quotas_and_what_each_tenant_holds_on_disk_outlive_a_restart(control):
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        _call(port, "POST", "quotas", {"tenant": "a", "host": 32 * 8192, "disk": 64 * 8192})
+        _flood_as(c, "a", 16, seed=500)  # durable: 16 blocks on disk and in host memory
+        before = _call(port, "GET", "tenants")[1]["tenants"]["a"]
+        assert before["used"]["host"] == 16 * 8192 and before["used"]["disk"] > 0
+    control.restart()
+    after = _call(port, "GET", "tenants")[1]["tenants"]["a"]
+    assert after["quota"] == {"host": 32 * 8192, "disk": 64 * 8192}
+    assert after["used"] == {"host": 0, "disk": before["used"]["disk"]}, "its disk blocks count for it again"
+    assert _call(port, "GET", "status")[1]["tenants"]["a"]["quota"]["disk"] == 64 * 8192
+
+
+def test_a_tenants_hit_rate_counts_blocks_served_against_blocks_its_engine_computed(control):
+    from tierkv.core.errors import BadRequest
+
+    port = control.port
+    with control.client(model="ctl-a") as c:
+        _call(port, "POST", "quotas", {"tenant": "t", "host": 1 << 20})
+        root = salt_root(c.fingerprint, "t")
+        keys = chain_keys(c.fingerprint, _prompt(90, 4), BT, root)
+        assert c.offer([(root, keys, 0, False, "t")]) == [4]  # computed by its engine: misses
+        c.put(keys, rand_blocks(4, seed=90), tenant="t")
+        c.get(keys)
+        c.get(keys[:2])
+        t = _call(port, "GET", "tenants")[1]["tenants"]["t"]
+        assert (t["hits"], t["misses"], t["hit_rate"]) == (6, 4, 0.6)
+        assert c.offer([(root, keys, 0, False)]) == [4], "an offer without a tenant counts for none"
+        assert _call(port, "GET", "tenants")[1]["tenants"]["t"]["misses"] == 4
+        with pytest.raises(BadRequest, match="tenant"):
+            c.offer([(root, keys, 0, False, "")])

@@ -1,5 +1,6 @@
-"""Tenants on vLLM's real CPU build: a noisy tenant's flood and a quiet tenant's prefixes, with and
-without a quota; a pinned prompt through a flood and a daemon restart. One daemon (15 host blocks over
+"""Tenants and the control API on vLLM's real CPU build: a noisy tenant's flood and a quiet tenant's
+prefixes, with and without a quota; a pinned prompt through a flood and a daemon restart; a deleted
+prefix recomputed; a prompt warmed after a restart served from host memory. One daemon (15 host blocks over
 11 on disk, LRU in both, every victim written; its control API on) and one vLLM server serve the module."""
 
 from __future__ import annotations
@@ -101,3 +102,44 @@ def test_a_pinned_prompt_survives_a_flood_and_a_daemon_restart(stack):
     stack.daemon.restart()
     stack.flood("noisy-3", 10)  # the connector reconnects; the pinned blocks are in host memory again
     assert stack.served(msgs, "pinned") == (whole, first.text)
+
+
+def test_a_deleted_prefix_is_recomputed_and_answered_the_same(stack):
+    """Delete by prefix and by tenant: the next request is served nothing from tierkv, recomputes, and
+    answers as before (never wrong data, never an error)."""
+    for salt, how in (("del-prefix", "prefix"), ("del-tenant", "tenant")):
+        msgs = chat(f"lighthouse-{salt}", rules=24)
+        first = stack.server.chat(msgs, salt=salt, max_tokens=8)
+        tokens = stack.server.tokenize(msgs)
+        whole = (len(tokens) - 1) // BT * BT
+        assert stack.served(msgs, salt) == (whole, first.text)
+        body = {"model": MODEL_ID, "tokens": tokens, "salt": salt} if how == "prefix" else {"tenant": salt}
+        assert stack.control("delete", body)["deleted"] >= whole // BT
+        assert stack.served(msgs, salt) == (0, first.text)
+
+
+def test_warm_after_a_restart_makes_the_first_request_a_host_hit(stack):
+    """A prompt pinned on disk outlives a restart there; warmed, its first request is served from host
+    memory (no disk read on the request's path) and answers as before."""
+    msgs = chat("orchard", rules=24)
+    first = stack.server.chat(msgs, salt="warm", max_tokens=8)
+    tokens = stack.server.tokenize(msgs)
+    whole = (len(tokens) - 1) // BT * BT
+    body = {"model": MODEL_ID, "tokens": tokens, "salt": "warm"}
+    assert stack.served(msgs, "warm") == (whole, first.text)  # its blocks are committed
+    # the disk (11 blocks) holds the earlier tests' pinned prompt and quota'd tenant: let them go
+    stack.control("quotas", {"tenant": "quiet-2", "host": None, "disk": None})
+    stack.control("unpin", {"model": MODEL_ID, "tokens": stack.server.tokenize(chat("observatory", rules=24)),
+                            "salt": "pinned"})
+    assert stack.control("pin", {**body, "tier": "disk"})["pinned"] == len(tokens) // BT
+    stack.daemon.restart()
+    stack.flood("noisy-4", 2)  # the connector reconnects
+    warmed = stack.control("warm", body)
+    assert warmed["from"] == {"disk": len(tokens) // BT} and warmed["missing"] == 0
+    tiers = stack.daemon.stats()["tiers"]
+    stack.server.reset_prefix_cache()
+    assert stack.served(msgs, "warm") == (whole, first.text)
+    after = stack.daemon.stats()["tiers"]
+    assert after["host"]["hits"] - tiers["host"]["hits"] >= whole // BT
+    assert after["disk"]["hits"] == tiers["disk"]["hits"], "nothing read from disk for the request"
+    assert stack.control("unpin", {**body, "tier": "disk"})["unpinned"] == len(tokens) // BT

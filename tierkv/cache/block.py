@@ -34,9 +34,9 @@ class LoadSignal(Protocol):
 # The fields of a record each tier manager owns: only it writes them (tests/project/test_layering.py
 # checks), so a block's life in a tier is the manager's transitions and nothing else.
 TIER_FIELDS: dict[str, tuple[str, ...]] = {
-    "host": ("host_off", "leases", "writing", "loading", "load_failed", "pin"),
+    "host": ("host_off", "leases", "writing", "loading", "load_failed", "pin", "pins"),
     "gpu": ("gpu_off", "gpu_leases", "gpu_loading", "draining"),
-    "disk": ("on_disk", "disk_bytes"),
+    "disk": ("on_disk", "disk_bytes", "disk_pins"),
     "remote": ("on_remote",),
 }
 
@@ -49,8 +49,8 @@ class Block:
     """
 
     __slots__ = ("fk", "nbytes", "parent", "tokens", "tenant", "hits", "mass",
-                 "host_off", "leases", "writing", "loading", "load_failed", "pin",
-                 "gpu_off", "gpu_leases", "gpu_loading", "draining", "on_disk", "disk_bytes", "on_remote")
+                 "host_off", "leases", "writing", "loading", "load_failed", "pin", "pins",
+                 "gpu_off", "gpu_leases", "gpu_loading", "draining", "on_disk", "disk_bytes", "disk_pins", "on_remote")
 
     def __init__(self, fk: bytes, nbytes: int, parent: bytes | None = None, tokens: bytes | None = None,
                  tenant: str | None = None) -> None:
@@ -62,23 +62,26 @@ class Block:
         self.hits = 0                     # uses since it was cached (leases, stores that found it)
         self.mass = 1.0                   # last attention mass a client reported (1.0 = uniform)
         # host: its slot, leases on the slot, host -> disk/remote stores in flight (they read the slot),
-        # a load filling the slot (set when it finishes; the daemon makes it), whether it failed, and the
-        # retention priority of a pinned prefix (0 = not pinned)
+        # a load filling the slot (set when it finishes; the daemon makes it), whether it failed, the
+        # retention priority of a pinned prefix (0 = not pinned) and how many pins hold it there
         self.host_off: int | None = None
         self.leases = 0
         self.writing = 0
         self.loading: LoadSignal | None = None
         self.load_failed = False
         self.pin = 0
+        self.pins = 0
         # gpu: its device slot, leases on it, a host -> gpu copy filling it, and whether it is the only
         # copy (committed on the GPU, its host copy not made yet)
         self.gpu_off: int | None = None
         self.gpu_leases = 0
         self.gpu_loading: LoadSignal | None = None
         self.draining = False
-        # disk: a value on disk and its encoded bytes; remote: known to be in the remote tier
+        # disk: a value on disk, its encoded bytes and how many pins keep it there; remote: known to be
+        # in the remote tier
         self.on_disk = False
         self.disk_bytes = 0
+        self.disk_pins = 0
         self.on_remote = False
 
     def __repr__(self) -> str:

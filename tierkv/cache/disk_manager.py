@@ -54,6 +54,7 @@ class DiskManager:
         self.stored_size = stored_size
         self.used = 0
         self.reserved = 0  # estimated bytes of writes queued or in flight (room made for them)
+        self.pinned_bytes = 0  # raw bytes of the blocks pinned on disk
         self.stats = TierCounters()
         # whether the tier above holds a chain child of the block: its prefix stays while room allows
         self.needed_above: Callable[[bytes], bool] = _nothing_above
@@ -73,7 +74,8 @@ class DiskManager:
         self.policy.on_insert(b.fk, self.stored_size(b.disk_bytes), b.parent)
 
     def removed(self, b: Block) -> None:
-        """``b``'s value is gone from disk (or about to be deleted)."""
+        """``b``'s value is gone from disk (or about to be deleted); its disk pins with it."""
+        self.unpin(b, every=True)
         self.used -= self.stored_size(b.disk_bytes)
         self.quotas.add(b.tenant, "disk", -self.stored_size(b.disk_bytes))
         self.stats.bytes_logical -= b.nbytes
@@ -92,15 +94,33 @@ class DiskManager:
             self.changes.lost(b, tier)
         self.table.remove(b)
 
+    # ---- pins -------------------------------------------------------------------------------------
+    def pin(self, b: Block, count: int = 1) -> None:
+        """Keep ``b``'s value on disk (written or being written) until unpinned as many times."""
+        if b.disk_pins == 0:
+            self.pinned_bytes += b.nbytes
+        b.disk_pins += count
+
+    def unpin(self, b: Block, every: bool = False) -> bool:
+        """One disk pin of ``b`` ends (``every``: all of them); whether it had one."""
+        if not b.disk_pins:
+            return False
+        b.disk_pins = 0 if every else b.disk_pins - 1
+        if b.disk_pins == 0:
+            self.pinned_bytes -= b.nbytes
+        return True
+
     def configure(self, settings: DiskConfig) -> None:
         """New ``disk`` settings (``tierkv tune``)."""
         self.settings = settings
 
     def protected(self, fk: bytes) -> bool:
-        """A value being read into the host tier stays, and so do a pinned block's (a restart pins it
-        again from there) and the values of a tenant holding no more than its disk quota."""
+        """A value being read into the host tier stays, and so do a block's pinned in host memory (a
+        restart pins it again from there) or on disk and the values of a tenant holding no more than its
+        disk quota."""
         b = self.table.get(fk)
-        return b is None or b.loading is not None or b.pin > 0 or self.quotas.shielded(b.tenant, "disk")
+        return (b is None or b.loading is not None or b.pin > 0 or b.disk_pins > 0
+                or self.quotas.shielded(b.tenant, "disk"))
 
     def needed(self, fk: bytes) -> bool:
         """Besides :meth:`protected`: the prefix of a block host memory holds stays (dropped, it would

@@ -45,11 +45,10 @@ class HostManager:
         disk: the disk tier's manager (absent when the disk tier is off).
         reuse: the host's reuse model (told of every block that leaves).
         admission: the disk's admission rule (which dirty blocks are worth a disk write).
-        settings: the ``host`` settings and the ``disk`` ones (its admission mode); ``tierkv tune``
-            replaces them (:meth:`configure`).
+        settings: the ``host`` and ``disk`` settings (:meth:`configure` replaces them).
         writer_idle: whether the disk writer has no backlog (spare bandwidth).
         changes: where copies gained and lost are reported.
-        quotas: the tenants' quotas and use (the disk manager's too).
+        quotas: the tenants' quotas and use (shared with the disk manager).
     """
 
     def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy[bytes], disk: DiskManager,
@@ -246,20 +245,23 @@ class HostManager:
             self.disk.policy.on_touch(b.fk, mass)
 
     # ---- pins -------------------------------------------------------------------------------------
-    def pin(self, b: Block, priority: int) -> None:
-        """Keep ``b``, in its host slot, until unpinned; its slot counts against ``host.max_pinned_fraction``."""
+    def pin(self, b: Block, priority: int, count: int = 1) -> None:
+        """``count`` more pins keep ``b`` in its slot (counted against ``host.max_pinned_fraction``)."""
         assert b.host_off is not None
         if b.pin == 0:
             self.pinned_bytes += self.pool.slot_size_at(b.host_off)
         b.pin = max(b.pin, priority)
+        b.pins += count
 
-    def unpin(self, b: Block) -> bool:
-        """``b`` is pinned no more (its slot, if it holds one, stops counting as pinned); whether it was."""
+    def unpin(self, b: Block, every: bool = False) -> bool:
+        """One pin of ``b`` ends (``every``: all); whether it was pinned."""
         if not b.pin:
             return False
-        b.pin = 0
-        if b.host_off is not None:
-            self.pinned_bytes -= self.pool.slot_size_at(b.host_off)
+        b.pins = 0 if every else b.pins - 1
+        if b.pins <= 0:
+            b.pin, b.pins = 0, 0
+            if b.host_off is not None:
+                self.pinned_bytes -= self.pool.slot_size_at(b.host_off)
         return True
 
     # ---- protection -------------------------------------------------------------------------------

@@ -20,11 +20,13 @@ TIERS = ("host", "disk")
 
 @dataclass
 class TenantUse:
-    """One tenant's bytes per tier, its quotas (None: none) and the blocks fetches served it."""
+    """One tenant's bytes per tier, its quotas (None: none), the blocks fetches served it and the blocks
+    its engine computed (offered for storing: not cached)."""
 
     used: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     quota: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(TIERS))
     hits: int = 0
+    misses: int = 0
 
 
 class Quotas:
@@ -71,6 +73,11 @@ class Quotas:
         if tenant is not None and (u := self.tenants.get(tenant)) is not None:
             u.hits += 1
 
+    def missed(self, tenant: str | None, n: int) -> None:
+        """``tenant``'s engine computed ``n`` blocks tierkv did not serve (offered for storing)."""
+        if tenant is not None and (u := self.tenants.get(tenant)) is not None:
+            u.misses += n
+
     def shielded(self, tenant: str | None, tier: str) -> bool:
         """Whether ``tenant``'s blocks in ``tier`` stay against other tenants' evictions: it has a quota
         there and holds no more than it."""
@@ -88,5 +95,7 @@ class Quotas:
                 if (q := u.quota[tier]) is not None and u.used[tier] > q}
 
     def snapshot(self) -> dict[str, dict]:
-        """Per tenant: bytes used and quota per tier, and hits."""
-        return {t: {"used": dict(u.used), "quota": dict(u.quota), "hits": u.hits} for t, u in self.tenants.items()}
+        """Per tenant: bytes used and quota per tier, hits, misses and the hit rate (None before either)."""
+        return {t: {"used": dict(u.used), "quota": dict(u.quota), "hits": u.hits, "misses": u.misses,
+                    "hit_rate": round(u.hits / (u.hits + u.misses), 4) if u.hits + u.misses else None}
+                for t, u in self.tenants.items()}

@@ -38,7 +38,8 @@ class ControlClient:
         self.timeout = timeout
 
     def status(self) -> dict[str, Any]:
-        """Health, the namespaces engines registered (model, identity, layout, TP rank, blocks) and pins."""
+        """Health, the namespaces engines registered (model, identity, layout, TP rank, blocks), pins (in
+        host memory and on disk) and the tenants with a quota."""
         return self._call("GET", "status", None)
 
     def tenants(self) -> dict[str, Any]:
@@ -51,32 +52,41 @@ class ControlClient:
         return self._call("POST", "quotas", {"tenant": tenant, **tiers})
 
     def pin(self, model: str, tokens: Sequence[int], salt: str | None = None, identity: str | None = None,
-            priority: int = 80) -> dict[str, Any]:
-        """Keep the cached prefix of ``tokens`` in host memory until unpinned: ``pinned`` blocks (of every
-        namespace of ``model``), ``missing`` ones that were not cached.
+            priority: int = 80, tier: str = "host") -> dict[str, Any]:
+        """Keep the cached prefix of ``tokens`` in host memory (``tier="disk"``: on disk) until unpinned as
+        many times as pinned: ``pinned`` blocks (of every namespace of ``model``), ``missing`` ones that
+        were not cached.
 
         Raises:
-            TierFull: it would exceed ``host.max_pinned_fraction`` (the message says by how many bytes).
+            TierFull: it would exceed the tier's ``max_pinned_fraction`` (the message says by how many bytes).
         """
-        return self._call("POST", "pin", _prefix(model, tokens, salt, identity) | {"priority": priority})
+        return self._call("POST", "pin", _prefix(model, tokens, salt, identity) | {"priority": priority, "tier": tier})
 
     def unpin(self, model: str, tokens: Sequence[int], salt: str | None = None,
-              identity: str | None = None) -> dict[str, Any]:
-        """Let the prefix's blocks be evicted again: ``unpinned`` blocks."""
-        return self._call("POST", "unpin", _prefix(model, tokens, salt, identity))
+              identity: str | None = None, tier: str = "host") -> dict[str, Any]:
+        """End one pin of the prefix's blocks in ``tier``: ``unpinned`` blocks."""
+        return self._call("POST", "unpin", _prefix(model, tokens, salt, identity) | {"tier": tier})
 
-    def warm(self, model: str, tokens: Sequence[int], salt: str | None = None,
-             identity: str | None = None) -> dict[str, Any]:
-        """Bring the cached prefix into host memory: ``warmed`` blocks, ``from`` (per tier), ``already``
-        in host memory, ``missing`` (not cached), ``bytes`` and ``seconds``."""
-        return self._call("POST", "warm", _prefix(model, tokens, salt, identity))
+    def warm(self, model: str, tokens: Sequence[int] | None = None, salt: str | None = None,
+             identity: str | None = None, prompts: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+        """Bring the cached prefix of ``tokens`` (or of each of ``prompts``) into host memory: ``warmed``
+        blocks, ``from`` (per tier), ``already`` in host memory, ``missing`` (not cached), ``bytes`` and
+        ``seconds``."""
+        body = _prefix(model, tokens, salt, identity)
+        if prompts is not None:
+            body["prompts"] = [[int(t) for t in p] for p in prompts]
+        return self._call("POST", "warm", body)
 
-    def delete(self, model: str, tokens: Sequence[int] | None, salt: str | None = None, identity: str | None = None,
-               force: bool = False, tiers: Sequence[str] | None = None) -> dict[str, Any]:
-        """Drop the prefix's blocks, or with ``tokens`` None every block of the model's namespaces, from
+    def delete(self, model: str | None, tokens: Sequence[int] | None, salt: str | None = None,
+               identity: str | None = None, force: bool = False, tiers: Sequence[str] | None = None,
+               tenant: str | None = None) -> dict[str, Any]:
+        """Drop the prefix's blocks, or with ``tokens`` None every block of the model's namespaces, or
+        with ``tenant`` every block that tenant stored (of ``model``, or with it None of every model), from
         ``tiers`` (``gpu``, ``host``, ``disk``, ``remote``: the remote copies this daemon knows of; default
         all), pinned ones only with ``force``: ``deleted`` blocks."""
-        body = _prefix(model, tokens, salt, identity) | {"force": force}
+        body = ({} if model is None else _prefix(model, tokens, salt, identity)) | {"force": force}
+        if tenant is not None:
+            body["tenant"] = tenant
         if tiers is not None:
             body["tiers"] = list(tiers)
         return self._call("POST", "delete", body)

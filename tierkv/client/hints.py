@@ -49,19 +49,21 @@ class Hints(Connection):
         return int(self._call(Op.WINDOW, {"keys": check_keys(keys), "budget": budget, "sinks": sinks,
                                           "recent": recent})["demoted"])
 
-    def offer(self, offers: Sequence[tuple[bytes | None, Sequence[bytes], int, bool]]) -> list[int]:
+    def offer(self, offers: Sequence[tuple[bytes | None, Sequence[bytes], int, bool]
+                                    | tuple[bytes | None, Sequence[bytes], int, bool, str | None]]) -> list[int]:
         """Ask the daemon's store gate which of requests' new blocks are worth storing.
 
         Args:
             offers: per request ``(root, keys, first, cut)``: the key its chain starts from (its
                 ``cache_salt`` or adapter root; None: the shared root), its new blocks' keys, the
                 position of the first of them in its chain, and whether the request stopped storing
-                earlier (its blocks are offered only for the gate to learn from).
+                earlier (its blocks are offered only for the gate to learn from); optionally the
+                request's tenant (whose misses they are).
 
         Returns:
             Per offer, how many leading keys to store (the rest are skipped as unlikely to pay).
         """
-        body = [[root, check_keys(keys), int(first), bool(cut)] for root, keys, first, cut in offers]
+        body = [[o[0], check_keys(o[1]), int(o[2]), bool(o[3]), *o[4:]] for o in offers]
         return [int(n) for n in self._call(Op.OFFER, {"offers": body})["store"]]
 
     def stats(self) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from tierkv.daemon.blockstore import BlockStore
 
 __all__ = ["Control", "read_token"]
 
-MAX_TOKENS = 1 << 20  # token ids one request may name
+MAX_TOKENS = 1 << 20  # token ids one prompt may name
+MAX_PROMPTS = 4096  # prompts one warm may name
 TIERS = frozenset({"gpu", "host", "disk", "remote"})
 _SESSION_IDS = itertools.count(-1, -1)  # control sessions never collide with a connection's id
 
@@ -102,7 +103,8 @@ class Control:
 
     # ---- the operations ---------------------------------------------------------------------------
     def status(self) -> dict:
-        """Namespaces (model, identity, layout, TP rank, blocks), pinned blocks and bytes, health."""
+        """Namespaces (model, identity, layout, TP rank, blocks), pinned blocks and bytes in host memory
+        and on disk, tenants with a quota, health."""
         st = self.store
         with st.ctx.lock:
             t = st.table
@@ -110,9 +112,12 @@ class Control:
                            "tp_rank": ns.tp_rank, "tp_size": ns.tp_size, "layout": ns.layout.to_dict(),
                            "blocks": t.ns_blocks.get(fp, 0)} for fp, ns in t.namespaces.items()]
             pinned = sum(1 for b in t.records() if b.pin)
-            pinned_bytes = st.hostm.pinned_bytes
-        return {"health": st.snapshots.health() or "ok", "namespaces": namespaces,
-                "pins": {"blocks": pinned, "bytes": pinned_bytes}}
+            on_disk = sum(1 for b in t.records() if b.disk_pins)
+            pins = {"blocks": pinned, "bytes": st.hostm.pinned_bytes, "disk_blocks": on_disk,
+                    "disk_bytes": st.m.disk.pinned_bytes}
+            tenants = st.m.quotas.snapshot()
+        return {"health": st.snapshots.health() or "ok", "namespaces": namespaces, "pins": pins,
+                "tenants": tenants}
 
     def tenants(self) -> dict:
         """Per tenant: bytes used and quota per tier, and the blocks fetches served it."""
@@ -121,7 +126,8 @@ class Control:
 
     def quota(self, req: dict) -> dict:
         """Set a tenant's quota per tier (``host``, ``disk``: bytes, or null for none); the tiers not named
-        keep theirs. A tenant over its new quota gives up its own blocks first (the evictor runs now)."""
+        keep theirs. A tenant over its new quota gives up its own blocks first (the evictor runs now).
+        Quotas are kept across restarts (with a disk tier)."""
         tenant = req.get("tenant")
         if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT:
             raise BadRequest(f"tenant must be a name of 1..{MAX_TENANT} characters (the requests' cache_salt)")
@@ -134,60 +140,83 @@ class Control:
         st = self.store
         with st.ctx.lock:
             st.m.set_quota(tenant, tiers)
+            st.retention.keep()
             out = st.m.quotas.snapshot().get(tenant, {"used": {}, "quota": dict.fromkeys(tiers), "hits": 0})
         st.ctx.kick()
         return {"tenant": tenant, **out}
 
     def pin(self, req: dict) -> dict:
-        """Keep the prefix in host memory (loading it from disk or the remote tier) until unpinned."""
-        priority = req.get("priority", 80)
+        """Keep the prefix in host memory (loading it from disk or the remote tier), or with ``tier``
+        ``disk`` on disk, until unpinned as many times as pinned."""
+        priority, tier = req.get("priority", 80), _pin_tier(req)
         if isinstance(priority, bool) or not isinstance(priority, int) or not 1 <= priority <= 100:
             raise BadRequest("priority must be an int in 1..100")
         out = {"pinned": 0, "missing": 0}
         for s, keys in self._prefixes(req):
-            n = self.store.retention.pin_prefix(s, keys, priority)
+            n = self.store.retention.pin_prefix(s, keys, priority, tier=tier)
             out["pinned"] += n
             out["missing"] += len(keys) - n
         return out
 
     def unpin(self, req: dict) -> dict:
-        """Let the prefix's blocks be evicted again."""
-        n = 0
+        """End one pin of the prefix's blocks (in ``tier``: host, the default, or disk); a block pinned
+        twice stays pinned until unpinned twice."""
+        tier, n = _pin_tier(req), 0
         for s, keys in self._prefixes(req):
-            n += self.store.retention.unpin(s, keys)
+            n += self.store.retention.unpin(s, keys, tier)
         return {"unpinned": n}
 
     def warm(self, req: dict) -> dict:
-        """Bring the cached prefix into host memory; how many blocks came from each tier, what was not
-        cached, the bytes brought in and the seconds it took."""
+        """Bring cached prefixes into host memory: ``tokens`` (one prompt) or ``prompts`` (a list of
+        them); how many blocks came from each tier, were there already or not cached, the bytes brought
+        in and the seconds it took."""
         t0 = time.monotonic()
         came: dict[str, int] = {}
         missing = loaded = 0
         st = self.store
-        for s, keys in self._prefixes(req):
-            assert s.ns is not None
-            st.signals.requested(s, keys)
-            lease, _offs, tiers = st.fetch_path.acquire(s, s.ns, keys)
-            st.sessions.release(s, [lease])
-            for tier in tiers:
-                came[tier] = came.get(tier, 0) + 1
-            loaded += (len(tiers) - came.get("host", 0)) * s.ns.layout.block_bytes
-            missing += len(keys) - len(tiers)
+        prompts = req.get("prompts")
+        if prompts is not None:
+            if not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROMPTS:
+                raise BadRequest(f"prompts must be a list of 1..{MAX_PROMPTS} lists of token ids")
+            reqs = [{**req, "tokens": p, "prompts": None} for p in prompts]
+            for r in reqs:
+                _tokens(r["tokens"])  # every prompt checked before any is warmed
+        else:
+            reqs = [req]
+        for r in reqs:
+            for s, keys in self._prefixes(r):
+                assert s.ns is not None
+                st.signals.requested(s, keys)
+                lease, _offs, tiers = st.fetch_path.acquire(s, s.ns, keys)
+                st.sessions.release(s, [lease])
+                here = sum(1 for t in tiers if t == "host")
+                for tier in tiers:
+                    came[tier] = came.get(tier, 0) + 1
+                loaded += (len(tiers) - here) * s.ns.layout.block_bytes
+                missing += len(keys) - len(tiers)
         warmed = sum(n for tier, n in came.items() if tier != "host")
         return {"warmed": warmed, "already": came.get("host", 0), "from": came, "missing": missing,
-                "bytes": loaded, "seconds": round(time.monotonic() - t0, 4)}
+                "prompts": len(reqs), "bytes": loaded, "seconds": round(time.monotonic() - t0, 4)}
 
     def delete(self, req: dict) -> dict:
-        """Drop the prefix's blocks, or without ``tokens`` every block of the model's namespaces, from
-        ``tiers`` (default every tier: the local ones and the remote copies this daemon knows of); pinned
-        ones only with ``force``; blocks in use by an engine stay."""
+        """Drop the prefix's blocks, or without ``tokens`` every block of the model's namespaces, or with
+        ``tenant`` every block that tenant stored (in the model's namespaces when ``model`` is given,
+        else in all), from ``tiers`` (default every tier: the local ones and the remote copies this
+        daemon knows of); pinned ones only with ``force``; blocks in use by an engine stay."""
         force, tiers = req.get("force", False), req.get("tiers", sorted(TIERS))
         if not isinstance(force, bool):
             raise BadRequest("force must be true or false")
         if not isinstance(tiers, list) or not tiers or not set(tiers) <= TIERS:
             raise BadRequest(f"tiers must be a list of {', '.join(sorted(TIERS))}")
-        n = 0
-        if req.get("tokens") is None:
+        n, tenant = 0, req.get("tenant")
+        if tenant is not None:
+            if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT:
+                raise BadRequest(f"tenant must be a name of 1..{MAX_TENANT} characters (the requests' cache_salt)")
+            if req.get("tokens") is not None:
+                raise BadRequest("delete a prefix (tokens, salt) or a tenant's blocks (tenant), not both")
+            fps = None if req.get("model") is None else {ns.fingerprint for ns in self._namespaces(req)}
+            n = self.store.retention.drop_tenant(tenant, fps, frozenset(tiers), force)
+        elif req.get("tokens") is None:
             for ns in self._namespaces(req):
                 with self._session(ns) as s:
                     n += self.store.retention.drop(s, None, frozenset(tiers), force)
@@ -232,6 +261,13 @@ class Control:
             yield s
         finally:
             self.store.sessions.close(s)
+
+
+def _pin_tier(req: dict) -> str:
+    tier = req.get("tier", "host")
+    if tier not in ("host", "disk"):
+        raise BadRequest(f"tier must be host or disk (where the pin keeps the blocks), got {tier!r}")
+    return str(tier)
 
 
 def _tokens(value: Any) -> list[int]:

@@ -11,7 +11,14 @@ import socket
 from typing import Any, Protocol
 
 from tierkv.cache import tuning
-from tierkv.cache.block import Session, validate_chains, validate_keys, validate_tenants, validate_tokens
+from tierkv.cache.block import (
+    MAX_TENANT,
+    Session,
+    validate_chains,
+    validate_keys,
+    validate_tenants,
+    validate_tokens,
+)
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -226,19 +233,21 @@ class Handlers:
         """Requests' new blocks offered for storing: how many leading keys of each to store."""
         offers = body.get("offers")
         if not isinstance(offers, list) or len(offers) > 4096:
-            raise BadRequest("offers must be a list of at most 4096 [root, keys, first, cut] entries")
+            raise BadRequest("offers must be a list of at most 4096 [root, keys, first, cut(, tenant)] entries")
         checked = []
         for o in offers:
-            if not isinstance(o, list) or len(o) != 4:
-                raise BadRequest("each offer must be [root, keys, first, cut]")
-            root, keys, first, cut = o
+            if not isinstance(o, list) or len(o) not in (4, 5):
+                raise BadRequest("each offer must be [root, keys, first, cut] or [root, keys, first, cut, tenant]")
+            root, keys, first, cut, tenant = (*o, None) if len(o) == 4 else o
+            if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT):
+                raise BadRequest(f"an offer's tenant must be nil or a name of 1..{MAX_TENANT} characters")
             if root is not None and (type(root) is not bytes or not 1 <= len(root) <= 64):
                 raise BadRequest("an offer's root must be nil or 1..64 bytes")
             if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < 1 << 31:
                 raise BadRequest(f"an offer's first must be an int >= 0, got {first!r}")
             if not isinstance(cut, bool):
                 raise BadRequest("an offer's cut must be true or false")
-            checked.append((root, validate_keys(keys), first, cut))
+            checked.append((root, validate_keys(keys), first, cut, tenant))
         namespace(s)  # a BadRequest before HELLO
         return {"store": self.store.signals.offered(s, checked)}
 

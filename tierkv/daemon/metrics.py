@@ -192,15 +192,19 @@ def _tenant_metrics(tenants: dict[str, dict]) -> Iterator[Metric]:
     quota = GaugeMetricFamily("tierkv_tenant_quota_bytes", "A tenant's quota in a tier (absent: none).",
                               labels=["tenant", "tier"])
     hits = CounterMetricFamily("tierkv_tenant_hits", "A tenant's blocks served to fetches.", labels=["tenant"])
+    misses = CounterMetricFamily("tierkv_tenant_misses", "Blocks a tenant's engine computed (offered for storing).",
+                                 labels=["tenant"])
     for name, d in tenants.items():
         for tier, n in d["used"].items():
             used.add_metric([name, tier], n)
             if d["quota"].get(tier) is not None:
                 quota.add_metric([name, tier], d["quota"][tier])
         hits.add_metric([name], d["hits"])
+        misses.add_metric([name], d.get("misses", 0))
     yield used
     yield quota
     yield hits
+    yield misses
 
 
 class Metrics:

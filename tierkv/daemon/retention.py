@@ -1,10 +1,11 @@
-"""Retention a client asks for: pinned prefixes (kept in host memory until unpinned, outliving the
-connection and, with a disk tier, the daemon: :mod:`tierkv.daemon.pins`), windows (a live sequence fitted into a host budget, the rest demoted to disk) and
-deletes (blocks dropped from every tier)."""
+"""Retention a client or the operator asks for: pins (in host memory or on disk until unpinned, outliving
+the connection and, with a disk tier, the daemon: :mod:`tierkv.daemon.pins`), windows (a live sequence
+fitted into a host budget, the rest demoted to disk) and deletes."""
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 from tierkv.cache.block import Block, Session
@@ -39,14 +40,20 @@ class Retention:
         self.fetch = fetch
         self.pins_dir = pins_dir
 
-    def pin_prefix(self, s: Session, keys: list[bytes], priority: int) -> int:
-        """Keep ``keys`` in the host tier (promoting from disk) until unpinned; returns blocks pinned.
+    def pin_prefix(self, s: Session, keys: list[bytes], priority: int, tier: str = "host", count: int = 1) -> int:
+        """Keep ``keys`` in ``tier`` (``host``: in host memory, promoting from disk; ``disk``: on disk,
+        writing what host memory holds only) until unpinned as many times as pinned (``count`` pins at
+        once); returns blocks pinned: the leading run of ``keys`` cached.
 
-        Pins outlive the connection (frozen system prompts); the pinned share of the host tier is
-        capped by ``host.max_pinned_fraction``.
+        Pins outlive the connection (frozen system prompts); the pinned share of each tier is capped by
+        its ``max_pinned_fraction`` (``TierFull`` with the bytes the pin needs).
         """
         if not isinstance(priority, int) or not 1 <= priority <= 100:
             raise BadRequest("priority must be an int in 1..100")
+        if tier == "disk":
+            return self._pin_on_disk(s, keys, count)
+        if tier != "host":
+            raise BadRequest(f"a pin keeps blocks in host memory or on disk: tier must be host or disk, not {tier!r}")
         lease_id, _offs, _tiers = self.fetch.acquire(s, namespace(s), keys)
 
         def slot_bytes(b: Block) -> int:
@@ -59,57 +66,114 @@ class Retention:
             if hp.pinned_bytes + add > cap:
                 self._release(s, lease_id)
                 raise TierFull(f"pinning {add} more bytes would exceed host.max_pinned_fraction "
-                               f"({cfg.host.max_pinned_fraction:.0%} of the host tier)")
+                               f"({cfg.host.max_pinned_fraction:.0%} of the host tier, {int(cap)} bytes; "
+                               f"{hp.pinned_bytes} pinned)")
             for b in lease.blocks:
-                hp.pin(b, priority)
+                hp.pin(b, priority, count)
             self._release(s, lease_id)
-            self._keep_pins([b for b in lease.blocks if not b.on_disk])
+            self.keep([b for b in lease.blocks if not b.on_disk])
             return len(lease.blocks)
 
-    def _keep_pins(self, dirty: list[Block] | None = None) -> None:
-        """Pins changed: keep them for the next start, and write the pinned blocks not on disk yet there
-        (a write no other gives way to: nobody waits for it, but a block left unwritten would not be
-        pinned again after a restart). Lock held."""
+    def _pin_on_disk(self, s: Session, keys: list[bytes], count: int) -> int:
+        """Pin the leading run of ``keys`` on disk or in host memory on disk, writing those not there yet
+        (and waiting for the write); a block the write could not place ends the run."""
+        if self.disk is None:
+            raise BadRequest("a pin on disk needs a disk tier")
+        namespace(s)
+        diskm, cfg = self.m.disk, self.ctx.cfg
+        with self.ctx.lock:
+            run: list[Block] = []
+            for k in keys:
+                b = self.table.get(s.fp + k)
+                if b is None or not (b.on_disk or b.host_ready):
+                    break
+                run.append(b)
+            cap = cfg.disk.max_pinned_fraction * diskm.capacity()
+            add = sum(b.nbytes for b in run if b.disk_pins == 0)
+            if diskm.pinned_bytes + add > cap:
+                raise TierFull(f"pinning {add} more bytes on disk would exceed disk.max_pinned_fraction "
+                               f"({cfg.disk.max_pinned_fraction:.0%} of the disk tier, {int(cap)} bytes; "
+                               f"{diskm.pinned_bytes} pinned)")
+            for b in run:
+                diskm.pin(b, count)
+            dirty = [b for b in run if not b.on_disk and not b.writing]
+            job = self.transfers.store(dirty) if dirty else None
+        if job is not None:
+            job.wait()
+        with self.ctx.lock:
+            deadline = time.monotonic() + cfg.server.commit_wait_s  # another write of the block ends soon
+            while any(b.writing and not b.on_disk for b in run) and self.ctx.wait_until(deadline):
+                pass
+            placed = next((i for i, b in enumerate(run) if not b.on_disk), len(run))
+            for b in run[placed:]:  # the write failed (a disk full of blocks that must stay)
+                for _ in range(count):
+                    diskm.unpin(b)
+            self.keep()
+        if placed < len(run) and job is not None and job.error is not None:
+            raise TierFull(f"the disk tier took {placed} of the {len(run)} blocks: {job.error}")
+        return placed
+
+    def keep(self, dirty: list[Block] | None = None) -> None:
+        """Pins or quotas changed: keep them for the next start, and write ``dirty`` pinned blocks to disk
+        (a write nothing preempts: a block left unwritten is not pinned again after a restart). Lock held."""
         if self.pins_dir is None:
             return
-        pins.save(self.table, self.pins_dir)
+        pins.save(self.table, self.m.quotas, self.pins_dir)
         if dirty:
             self.transfers.store(dirty)
 
-    def flush_pins(self, timeout: float) -> bool:
-        """Write the pinned blocks not on disk yet (a write refused or failed earlier) and wait up to
-        ``timeout`` seconds; at shutdown, so the next start pins all of them again. True when none is
-        left unwritten."""
+    def at_stop(self, timeout: float) -> bool:
+        """At a graceful stop: write the pinned blocks not on disk yet (a write refused earlier), waiting
+        up to ``timeout`` seconds, the pins, quotas and namespaces, and which tenant with a quota owns each
+        block on disk. True when no
+        pinned block is left unwritten."""
         if self.pins_dir is None or self.disk is None:
             return True
         with self.ctx.lock:
-            dirty = [b for b in self.table.records()
-                     if b.pin and not b.on_disk and not b.writing and b.host_off is not None]
+            dirty = [b for b in self.table.records() if b.pin and not b.on_disk and not b.writing and b.host_ready]
             job = self.transfers.store(dirty) if dirty else None
         if job is not None:
             job.wait(timeout)
         with self.ctx.lock:
+            pins.save(self.table, self.m.quotas, self.pins_dir)
+            pins.save_tenants(self.table, self.m.quotas, self.pins_dir)
             left = sum(1 for b in self.table.records() if b.pin and not b.on_disk)
         if left:
             log.warning("pins: %d pinned blocks are not on disk and will not be pinned at the next start", left)
         return not left
 
     def restore(self) -> int:
-        """Pin again what the previous run kept pinned and is still on disk (loaded into host memory),
-        under its namespaces, registered now; returns blocks pinned. At start-up, before any request."""
+        """Pin again what the previous run kept pinned and is still on disk (host pins loaded into host
+        memory), as many times, under its namespaces, registered now; returns blocks pinned. At
+        start-up, before any request."""
         if self.pins_dir is None:
             return 0
-        spaces, kept = pins.load(self.pins_dir)
+        spaces, kept, quotas = pins.load(self.pins_dir)
+        owners = pins.load_tenants(self.pins_dir)
+        with self.ctx.lock:
+            for fk, tenant in owners.items():
+                b = self.table.get(fk)
+                if b is not None and b.tenant is None:
+                    b.tenant = sys.intern(tenant)
+            for tenant, limits in quotas.items():
+                try:
+                    self.m.set_quota(tenant, limits)
+                except ValueError as exc:
+                    log.warning("quota of %r not restored: %s", tenant, exc)
         n = 0
-        for i, (fk, priority) in enumerate(kept):
-            ns = spaces.get(fk[:FINGERPRINT_BYTES])
-            if ns is None or fk not in self.table:
+        for i, pin in enumerate(kept):
+            ns = spaces.get(pin.fk[:FINGERPRINT_BYTES])
+            if ns is None or pin.fk not in self.table:
                 continue
             s = Session(-1 - i)
             with self.ctx.lock:
                 self.table.bind(s, ns)
             try:
-                n += self.pin_prefix(s, [fk[FINGERPRINT_BYTES:]], priority)
+                key = [pin.fk[FINGERPRINT_BYTES:]]
+                if pin.disk:
+                    n += self.pin_prefix(s, key, 1, tier="disk", count=pin.disk)
+                if pin.host:
+                    n += self.pin_prefix(s, key, pin.priority, count=pin.host)
             except TierFull as exc:
                 log.warning("pins: %d of %d restored: %s", n, len(kept), exc)
                 break
@@ -126,17 +190,20 @@ class Retention:
         self.m.end_leases(self.table.release(s, [lease_id]))
         self.ctx.notify()
 
-    def unpin(self, s: Session, keys: list[bytes]) -> int:
-        """Make pinned blocks evictable again; returns blocks unpinned."""
+    def unpin(self, s: Session, keys: list[bytes], tier: str = "host") -> int:
+        """End one pin in ``tier`` (``host`` or ``disk``) of each block; returns blocks whose pin ended
+        (a block pinned twice stays pinned until unpinned twice)."""
         namespace(s)
+        if tier not in ("host", "disk"):
+            raise BadRequest(f"tier must be host or disk, not {tier!r}")
         n = 0
         with self.ctx.lock:
             for k in keys:
                 b = self.table.get(s.fp + k)
-                if b is not None and self.hostm.unpin(b):
+                if b is not None and (self.hostm.unpin(b) if tier == "host" else self.m.disk.unpin(b)):
                     n += 1
             if n:
-                self._keep_pins()
+                self.keep()
             self.ctx.notify()
         return n
 
@@ -185,33 +252,47 @@ class Retention:
         remote copies this daemon knows of) of ``keys``' blocks, or with ``keys`` None of every block of
         the connection's namespace. Pinned blocks only with ``force`` (unpinned first); blocks in use stay.
         Returns the blocks that lost a copy."""
-        ns = namespace(s)
+        namespace(s)
+        with self.ctx.lock:
+            blocks = ([b for k in keys if (b := self.table.get(s.fp + k)) is not None] if keys is not None
+                      else [b for b in self.table.records() if b.fk.startswith(s.fp)])
+        return self._drop(blocks, tiers, force)
+
+    def drop_tenant(self, tenant: str, fingerprints: set[bytes] | None, tiers: frozenset[str], force: bool) -> int:
+        """:meth:`drop` of every block ``tenant`` stored (the vLLM connector's ``cache_salt``), in the
+        namespaces of ``fingerprints`` (None: in all)."""
+        with self.ctx.lock:
+            blocks = [b for b in self.table.records() if b.tenant == tenant
+                      and (fingerprints is None or b.fk[:FINGERPRINT_BYTES] in fingerprints)]
+        return self._drop(blocks, tiers, force)
+
+    def _drop(self, blocks: list[Block], tiers: frozenset[str], force: bool) -> int:
         gone: list[bytes] = []
         remote: list[tuple[bytes, bytes]] = []
         n = 0
         with self.ctx.lock:
-            blocks = ([b for k in keys if (b := self.table.get(s.fp + k)) is not None] if keys is not None
-                      else [b for b in self.table.records() if b.fk.startswith(s.fp)])
+            blocks = [b for b in blocks if b.fk in self.table]
             unpinned = False
             for b in blocks:
                 if force:
-                    unpinned = self.hostm.unpin(b) or unpinned
+                    unpinned = self.hostm.unpin(b, every=True) or unpinned
+                    unpinned = self.m.disk.unpin(b, every=True) or unpinned
             # a write out of a block's slot (write-behind, a pin made durable) ends soon: wait for it
             deadline = time.monotonic() + self.ctx.cfg.server.commit_wait_s
             while any(b.writing and b.fk in self.table for b in blocks) and self.ctx.wait_until(deadline):
                 pass
             for b in blocks:
-                if b.busy or b.fk not in self.table:
+                if b.busy or b.disk_pins or b.fk not in self.table:
                     continue
                 held = set(b.held())
                 if "remote" in tiers and b.on_remote:
-                    remote.append((ns.fingerprint, b.fk[len(s.fp):]))
+                    remote.append((b.fk[:FINGERPRINT_BYTES], b.fk[FINGERPRINT_BYTES:]))
                     self.m.remote.deleted(b)
                 if self.m.delete(b, tiers):
                     gone.append(b.fk)
                 n += bool(held - set(b.held()) or b.fk not in self.table)
             if unpinned:
-                self._keep_pins()
+                self.keep()
             self.ctx.notify()
         if gone and self.disk is not None:
             self.disk.delete(gone)

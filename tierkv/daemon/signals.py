@@ -29,6 +29,7 @@ class Signals:
         self.diskm = m.disk
         self.host_reuse, self.admission = models
         self.disk_on = m.disk.present
+        self.quotas = m.quotas
         self.gate = gate
         self.cost = cost
 
@@ -72,9 +73,10 @@ class Signals:
             if self.ctx.cfg.disk.admission == "predicted":
                 self.admission.stored(fks[lo:hi], now)
 
-    def offered(self, s: Session, offers: list[tuple[bytes | None, list[bytes], int, bool]]) -> list[int]:
-        """Requests' new blocks offered for storing (``(root, keys, first, cut)`` each): the store gate
-        learns from them and says how many leading keys of each are worth storing."""
+    def offered(self, s: Session, offers: list[tuple[bytes | None, list[bytes], int, bool, str | None]]) -> list[int]:
+        """Requests' new blocks offered for storing (``(root, keys, first, cut, tenant)`` each): the store
+        gate learns from them and says how many leading keys of each are worth storing; a tenant's are
+        its misses."""
         assert s.ns is not None  # the handler checked the connection's namespace
         lo = s.ns.layout
         cost = self.cost
@@ -84,8 +86,10 @@ class Signals:
 
         costs = BlockCosts(recompute_s, lo.block_bytes / self.ctx.cfg.store.cost_bytes_per_s)
         with self.ctx.lock:
+            for _root, keys, _first, _cut, tenant in offers:
+                self.quotas.missed(tenant, len(keys))
             return [self.gate.offer((s.fp, root), [s.fp + k for k in keys], first, costs, cut)
-                    for root, keys, first, cut in offers]
+                    for root, keys, first, cut, _tenant in offers]
 
     def request_finished(self, s: Session, keys: list[bytes], output_tokens: int | None = None) -> int:
         """The engine finished a request whose prompt and output chain is ``keys`` (``output_tokens``

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -34,6 +34,7 @@ class ReplayResult:
     admission: str = ""
     store_offered: int = 0  # missed pages offered to the store gate
     store_skipped: int = 0  # of those, not stored (``predicted`` gate)
+    tenant_hit_rate: dict[str, float] = field(default_factory=dict)  # per tenant, of its prompt tokens
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,6 +18,11 @@ The model, per request in timestamp order:
    engine's ``request_finished`` signal with the trace's output length, fed to the same reuse models
    as in the daemon).
 
+With ``quotas`` (per tenant, bytes per tier) the tiers decide as the daemon's managers do with the same
+:class:`~tierkv.cache.quotas.Quotas`: a page belongs to the tenant of the request that stored it (a
+trace line's ``tenant``), a tenant over its quota gives up its own pages first, and one within it keeps
+its pages against the others' floods; each tenant's token hit rate is reported.
+
 With ``store_gate = "predicted"`` the pages after the hit are first offered to the daemon's store gate
 (:class:`~tierkv.cache.store_gate.StoreGate`), as an engine's connector offers them: only the leading
 run it keeps is stored (and used); the rest is recomputed and forgotten. Served pages teach it as the
@@ -38,6 +43,7 @@ from tierkv.cache import wiring
 from tierkv.cache.admission import Admission
 from tierkv.cache.policy import Policy, policy_class
 from tierkv.cache.policy.attention import AttentionPolicy
+from tierkv.cache.quotas import Quotas
 from tierkv.cache.reuse import History
 from tierkv.cache.store_gate import BlockCosts, StoreGate
 from tierkv.core.units import parse_capacity
@@ -102,6 +108,11 @@ class Simulator:
         self.gate = StoreGate(config.store_gate, **config.store_gate_settings)
         self._costs = BlockCosts(self._page_recompute_s, page_bytes / config.store_cost_bytes_per_s)
         self.placement_name = ",".join(f"{t.name}={n}" for t, n in zip(config.tiers, names))
+        self.quotas = Quotas()
+        for tenant, limits in config.quotas.items():
+            self.quotas.set(tenant, dict(limits), {})
+        self.tenant_of: dict[int, str] = {}  # page -> the tenant whose request stored it
+        self._tenant: str | None = None  # the request being served's
 
     def _make_rule(self, tier: int) -> Admission | None:
         """The admission rule of tier ``tier`` (None for the first tier), as the daemon builds its disk's
@@ -177,8 +188,9 @@ class Simulator:
         tiers = cfg.tiers
         stack = self.stack = TierStack([t.name for t in tiers], self.caps, self.sizes,
                                        [t.inclusive for t in tiers], self.policies, cfg.page_bytes,
-                                       self._admit, self.parent_of, self._left)
+                                       self._admit, self.parent_of, self._left, self.quotas, self.tenant_of)
         hit_tokens = [0] * len(tiers)
+        tenant_tokens: dict[str, list[int]] = {}  # tenant -> [hit tokens, prompt tokens]
         total_tokens = 0
         ttft: list[float] = []
         ttft_ref: list[float] = []
@@ -191,7 +203,12 @@ class Simulator:
                 for p, nu in zip(pages, next_use[i]):
                     self._next_of[p] = nu
             total_tokens += req.input_tokens
+            self._tenant = req.tenant
             load_b = self._serve(pages, toks, hit_tokens)
+            if req.tenant is not None:
+                tt = tenant_tokens.setdefault(req.tenant, [0, 0])
+                tt[0] += self._hit_tok
+                tt[1] += req.input_tokens
             compute = prefill_seconds(self._hit_tok, req.input_tokens, rate, dbl)
             ttft.append(max(compute, self._load_seconds(load_b)))
             ttft_ref.append(prefill_seconds(0, req.input_tokens, rate, dbl))
@@ -207,7 +224,8 @@ class Simulator:
             ttft_mean_s=sum(ttft) / max(len(ttft), 1), ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
             ttft_recompute_p50_s=percentile(ttft_ref, 0.5), ttft_recompute_p99_s=percentile(ttft_ref, 0.99),
             wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0, placement=self.placement_name,
-            admission=self.admission_name, store_offered=self.gate.c.offered, store_skipped=self.gate.c.skipped)
+            admission=self.admission_name, store_offered=self.gate.c.offered, store_skipped=self.gate.c.skipped,
+            tenant_hit_rate={t: h / max(n, 1) for t, (h, n) in sorted(tenant_tokens.items())})
 
     def _serve(self, pages: list[int], toks: list[int], hit_tokens: list[int]) -> list[int]:
         """One request: count its prefix hits, promote cached pages and insert the rest into tier 0.
@@ -239,6 +257,10 @@ class Simulator:
             t = stack.fastest(p)
             if t is None:
                 hits.pop(p, None)  # computed: cached afresh
+                if self._tenant is None:
+                    self.tenant_of.pop(p, None)
+                else:
+                    self.tenant_of[p] = self._tenant
             else:
                 hits[p] = hits.get(p, 0) + 1  # a use of a cached page (the daemon's lease)
             if t == 0:

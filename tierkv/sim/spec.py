@@ -80,6 +80,8 @@ class ReplayConfig:
             connector asks: :mod:`tierkv.cache.store_gate`).
         store_cost_bytes_per_s: what storing a page costs (``store.cost_bytes_per_s``).
         store_gate_settings: settings of :class:`~tierkv.cache.store_gate.StoreGate`.
+        quotas: per tenant (a trace line's ``tenant``), its quota in bytes per tier name (``host``,
+            ``disk``), decided as the daemon's tier managers decide (:mod:`tierkv.cache.quotas`).
     """
 
     tiers: list[TierSpec] = field(default_factory=lambda: [TierSpec("host", "5%")])
@@ -94,6 +96,7 @@ class ReplayConfig:
     store_gate: str = "all"
     store_cost_bytes_per_s: float = float(1 << 30)
     store_gate_settings: dict[str, Any] = field(default_factory=dict)
+    quotas: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.tiers:

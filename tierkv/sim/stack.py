@@ -5,7 +5,9 @@ promotes the page into tier 0; an *inclusive* tier (the daemon's disk: a loaded 
 file copy) keeps its copy and counts a use, an exclusive one gives the page up. Making room in a
 tier asks its policy for victims; a victim with a copy further down just leaves, the others are
 offered to the next tier through the placement rule (:class:`~tierkv.cache.admission.Admission`)
-and dropped when it declines.
+and dropped when it declines. With quotas (:class:`~tierkv.cache.quotas.Quotas`, the daemon's), a
+tenant over its quota in a tier gives up its own pages there first, and the pages of a tenant within
+its quota stay against everyone else's, as the daemon's tier managers decide.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from tierkv.cache.quotas import TIERS as QUOTA_TIERS
+from tierkv.cache.quotas import Quotas
 
 
 @dataclass
@@ -41,12 +46,15 @@ class TierStack:
         admit: ``admit(page, tier, now) -> bool``: whether a victim is written into ``tier``.
         parent_of: page -> previous page of its prefix (for prefix-aware policies).
         on_leave: ``on_leave(page, tier)`` for each victim chosen in a tier (before it moves).
+        quotas: the tenants' quotas and use (None: no quotas).
+        tenant_of: page -> the tenant whose request stored it (pages of no tenant are absent).
     """
 
     def __init__(self, names: Sequence[str], caps: Sequence[int], sizes: Sequence[int],
                  inclusive: Sequence[bool], policies: Sequence[Any], page_bytes: int,
                  admit: Callable[[int, int], bool], parent_of: dict[int, int],
-                 on_leave: Callable[[int, int], None] | None = None) -> None:
+                 on_leave: Callable[[int, int], None] | None = None, quotas: Quotas | None = None,
+                 tenant_of: dict[int, str] | None = None) -> None:
         self.names, self.caps, self.sizes = list(names), list(caps), list(sizes)
         self.inclusive, self.policies = list(inclusive), list(policies)
         self.page_bytes, self.admit, self.parent_of = page_bytes, admit, parent_of
@@ -55,6 +63,9 @@ class TierStack:
         self.held: dict[int, int] = {}   # page -> bit mask of the tiers holding it
         self.used = [0] * self.n
         self.c = StackCounters()
+        self.quotas = quotas if quotas is not None else Quotas()
+        self.tenant_of = tenant_of if tenant_of is not None else {}
+        self._quota_tier = [n if n in QUOTA_TIERS else None for n in self.names]
 
     def fastest(self, page: int) -> int | None:
         """The fastest tier holding ``page`` (None if none)."""
@@ -64,11 +75,15 @@ class TierStack:
     def _add(self, page: int, t: int) -> None:
         self.held[page] = self.held.get(page, 0) | (1 << t)
         self.used[t] += self.sizes[t]
+        if self.quotas.on and (qt := self._quota_tier[t]) is not None:
+            self.quotas.add(self.tenant_of.get(page), qt, self.sizes[t])
         self.policies[t].on_insert(page, self.sizes[t], self.parent_of.get(page))
 
     def _remove(self, page: int, t: int) -> None:
         self.policies[t].on_remove(page)
         self.used[t] -= self.sizes[t]
+        if self.quotas.on and (qt := self._quota_tier[t]) is not None:
+            self.quotas.add(self.tenant_of.get(page), qt, -self.sizes[t])
         mask = self.held[page] & ~(1 << t)
         if mask:
             self.held[page] = mask
@@ -93,12 +108,31 @@ class TierStack:
 
     def make_room(self, t: int, nbytes: int, protect: set[int]) -> bool:
         """Free ``nbytes`` in tier ``t`` (victims move further down). False if impossible."""
+        qt = self._quota_tier[t] if self.quotas.on else None
+        if qt is not None:  # tenants over their quota here give up their own pages first
+            for tenant, over in self.quotas.excess(qt).items():
+                def other(p: int, tenant: str = tenant) -> bool:
+                    return p in protect or self.tenant_of.get(p) != tenant
+                own = self.policies[t].victims(over, other)
+                if own:
+                    self._evict(t, own, protect)
         need = self.used[t] + nbytes - self.caps[t]
         if need <= 0:
             return True
-        victims = self.policies[t].victims(need, protect.__contains__)
+        keep: Callable[[int], bool] = protect.__contains__
+        if qt is not None:
+            quotas, tenant_of, tier = self.quotas, self.tenant_of, qt
+
+            def shielded(p: int) -> bool:
+                return p in protect or quotas.shielded(tenant_of.get(p), tier)
+            keep = shielded
+        victims = self.policies[t].victims(need, keep)
         if victims is None:
             return False
+        self._evict(t, victims, protect)
+        return True
+
+    def _evict(self, t: int, victims: list[int], protect: set[int]) -> None:
         below = t + 1
         down: list[int] = []
         for v in victims:
@@ -113,7 +147,6 @@ class TierStack:
                 self.c.dropped_bytes += self.page_bytes
         if down:
             self._demote(t, down, protect)
-        return True
 
     def _demote(self, t: int, pages: list[int], protect: set[int]) -> None:
         below = t + 1

@@ -23,13 +23,15 @@ class TraceError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Request:
     """One request of a trace: arrival, prompt and output sizes, and its prompt block ids
-    (``output_given``: the line has an ``output_length``; without one ``output_tokens`` is 0)."""
+    (``output_given``: the line has an ``output_length``; without one ``output_tokens`` is 0), and the
+    tenant it is served for (a line's optional ``tenant``: the engine's ``cache_salt``)."""
 
     timestamp_s: float
     input_tokens: int
     output_tokens: int
     blocks: tuple[int, ...]
     output_given: bool = True
+    tenant: str | None = None
 
 
 def _check_int(obj: dict, key: str, where: str, *, required: bool = True) -> int:
@@ -82,7 +84,10 @@ def parse_trace(lines: Iterable[str], name: str = "trace") -> list[Request]:
             if i is None:
                 i = ids[h] = len(ids)
             blocks.append(i)
-        out.append(Request(ts / 1000.0, n_in, n_out, tuple(blocks), obj.get("output_length") is not None))
+        tenant = obj.get("tenant")
+        if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= 256):
+            raise TraceError(f"{where}: 'tenant' must be a name of 1..256 characters, got {tenant!r}")
+        out.append(Request(ts / 1000.0, n_in, n_out, tuple(blocks), obj.get("output_length") is not None, tenant))
     return out
 
 

@@ -44,7 +44,8 @@ class StoreOffers:
         if not self.on:
             return stores
         heads = [io for io in stores if io.group == 0]
-        offers = [(requests[io.req_id].roots[0], io.keys, io.first, requests[io.req_id].cut) for io in heads]
+        offers = [(requests[io.req_id].roots[0], io.keys, io.first, requests[io.req_id].cut, io.tenant)
+                  for io in heads]
         try:
             answer = self.link.call(lambda c: c.offer(offers))
         except TierKVError as exc:
