@@ -12,8 +12,11 @@ STAMP  := $(VENV)/.tierkv-installed
 run: setup
 	$(PY) examples/mainjob.py
 
+# Two pytest workers (pytest-xdist); the modules that start vLLM's server run on one of them (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: setup services
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 setup: $(STAMP)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,16 +10,35 @@ import pytest
 
 from tests.helpers import Daemon, has_cuda, start_type_check
 
+VLLM_MODULES = "tests/system/test_vllm"  # the modules that start vLLM's server
 
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (`make test` runs two workers): the tests that start vLLM's server run on one
+    worker, first, one module after another (two servers at once would each spin their OpenMP threads on
+    both cores); the other worker takes the other modules, each whole, as it gets free."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "vllm" if module.startswith(VLLM_MODULES) else module
+
+    config.option.loadscopereorder = False  # collection order: vLLM's modules first (below)
+    return VllmOnOneWorker(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any(item.name == "test_the_package_type_checks" for item in items):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: not item.nodeid.startswith(VLLM_MODULES))  # stable: order kept within
+    if "PYTEST_XDIST_WORKER" not in os.environ and any(item.name == "test_the_package_type_checks" for item in items):
         start_type_check()  # a minute of mypy runs beside the tests before it, at a lower priority
     if not has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -284,7 +284,6 @@ class HostManager:
         return b.protected or self.quotas.shielded(b.tenant, "host") or (
             not b.on_disk and self.disk.present and self.worth_writing(b, self.disk_cfg.admission))
 
-
     def evictable_exists(self) -> bool:
         """Whether waiting can help: some block is held by neither a client nor a pin (blocks being
         written back or loaded become evictable when their transfer ends)."""

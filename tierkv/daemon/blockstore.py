@@ -96,9 +96,9 @@ class BlockStore:
         diskm = DiskManager(table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg.disk,
                             lambda: disk.capacity if disk is not None else 0, stored_size, changes,
                             present=disk is not None, quotas=quotas)
+        spare = lambda: self.ctx.cfg.disk.spare_writes and self.engine.store_backlog() == 0  # noqa: E731
         hostm = HostManager(table, self.host, make_host_policy(cfg, self.history, self.host_reuse), diskm,
-                            self.host_reuse, self.admission, (cfg.host, cfg.disk),
-                            lambda: self.engine.store_backlog() == 0, changes, quotas)
+                            self.host_reuse, self.admission, (cfg.host, cfg.disk), spare, changes, quotas)
         diskm.needed_above = hostm.holds_children
         gpum = GpuManager(table, self._attach_gpu(), _lru("lru"), diskm, changes)
         return TierManagers(table, gpum, hostm, diskm, RemoteManager(changes, self.remote is not None),

@@ -30,15 +30,9 @@ class Retention:
         """The managers it sequences, the tier jobs it starts (writes and deletes on disk), the fetch
         path a pin leases its prefix through, and the folder pins are kept in across restarts (None:
         not kept: no disk tier)."""
-        self.ctx = ctx
-        self.m = m
-        self.table = m.table
-        self.host = transfers.host
-        self.hostm = m.host
-        self.disk = transfers.disk
-        self.transfers = transfers
-        self.fetch = fetch
-        self.pins_dir = pins_dir
+        self.ctx, self.m, self.table, self.hostm = ctx, m, m.table, m.host
+        self.host, self.disk, self.transfers = transfers.host, transfers.disk, transfers
+        self.fetch, self.pins_dir = fetch, pins_dir
 
     def pin_prefix(self, s: Session, keys: list[bytes], priority: int, tier: str = "host", count: int = 1) -> int:
         """Keep ``keys`` in ``tier`` (``host``: in host memory, promoting from disk; ``disk``: on disk,

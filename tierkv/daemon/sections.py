@@ -179,6 +179,9 @@ class DiskConfig:
     pressure those whose learned chance of a return, times the recompute time saved, beats the write),
     every one, those used twice / shared / pinned, or pinned only. Durable puts and the shutdown flush
     are always written."""
+    spare_writes: bool = True
+    """With ``predicted`` admission: while the disk writer has nothing queued, every host victim is
+    written (false: the rule decides each one, as ``tierkv replay`` does without ``--disk-write-bw``)."""
     shadow_rate: float = 0.1
     """With ``predicted`` admission: the fraction of the chains' branches (by hash) whose host victims
     feed two small LRU caches at that fraction of the disk's bytes, one taking the victims the rule

@@ -207,7 +207,7 @@ def _print_profile(p: dict[str, Any]) -> None:
 @click.option("--disk-write-bw", default="2GB/s", show_default=True,
               help="Disk writer bandwidth (stored bytes); while it has nothing queued every host victim but "
                    "the tails under the admission floor is written, as the daemon's writer does. 0 leaves it "
-                   "out: the admission rule decides all.")
+                   "out: the admission rule decides all (so does disk.spare_writes = false in --config).")
 @click.option("--disk-latency-ms", default=0.1, show_default=True, type=click.FloatRange(0))
 @click.option("--disk-compression", default=1.4, show_default=True, type=click.FloatRange(1.0),
               help="Raw / stored bytes on disk.")
@@ -255,13 +255,13 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
         for c in caps + ([disk_capacity] if disk_capacity else []):
             parse_capacity(c, 1)
         tiers = [TierSpec("host", caps[0], read_bytes_per_s=parse_rate(host_bw))]
+        daemon = daemon_config(config_path)
         if disk_capacity:
             tiers.append(TierSpec("disk", disk_capacity, read_bytes_per_s=parse_rate(disk_bw),
                                   latency_s=disk_latency_ms / 1000.0, compression=disk_compression,
-                                  inclusive=not disk_exclusive, write_bytes_per_s=parse_rate(disk_write_bw)))
+                                  inclusive=not disk_exclusive, write_bytes_per_s=parse_rate(disk_write_bw) if daemon.disk.spare_writes else 0.0))
         if disk_admission is not None:
             admission = "reused" if disk_admission else "all"
-        daemon = daemon_config(config_path)
         config = ReplayConfig(tiers=tiers, page_tokens=page_tokens, trace_block_tokens=trace_block_tokens,
                               kv_bytes_per_token=kv_bytes_per_token, prefill_tokens_per_s=prefill_rate,
                               attn_double_tokens=attn_double_tokens, policy_settings=_policy_settings(sets),
