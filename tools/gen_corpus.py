@@ -1,6 +1,6 @@
 """Write the generated traces of the corpus (Mooncake format) for `tierkv replay`.
 
-    python tools/gen_corpus.py --out corpus/ --seed 0       # chat, chat-idle, rag, agent .jsonl
+    python tools/gen_corpus.py --out corpus/ --seed 0       # chat, chat-idle, rag, agent, returns .jsonl
     tierkv replay corpus/rag.jsonl --policy lru,default --capacity 2% --disk-capacity 30%
 """
 

@@ -301,6 +301,30 @@ def test_disk_shadow_writes_every_victim_where_write_all_wins():
     assert rule.settings()["shadow_rate"] == daemon_config(None).disk.shadow_rate > 0  # the daemon's setting
 
 
+def test_on_the_corpus_trace_of_late_returns_the_shadow_turns_to_write_all():
+    """The corpus trace where selective admission loses (``returns``: a tenth of the prompts asked again
+    600 requests later, after host memory let them go), replayed as tools/corpus_sweep.py replays two
+    tiers (host 2% + disk 30%, a 2 GB/s writer that the trace keeps busy): the rule alone learns the
+    return chance is too low to pay for a write and hits far less than LRU writing every victim; with
+    its shadow the default finds write-all ahead, writes every victim from then on and gives up only
+    the returns of what the rule skipped before the first of them came back."""
+    from corpus_sweep import stack
+
+    from tierkv.sim.corpus import HELD_OUT, requests
+
+    assert "returns" in HELD_OUT
+    w, daemon, cfg = Workload(requests("returns")), daemon_config(None), stack("30%")
+    hit, rules = {}, {}
+    for name, policy, settings in (("lru", "lru", {}), ("default", "default", {}),
+                                   ("rule alone", "default", {"shadow_rate": 0.0})):
+        run = dataclasses.replace(cfg, admission_settings=settings)
+        sim = Simulator(w, policy, tiers_for(policy, run, daemon, "all"))
+        hit[name], rules[name] = sim.run().token_hit_rate * 100, sim.rules[1]
+    assert rules["default"].writes_all and rules["default"].snapshot()["shadow"]["leader"] == "all"
+    assert hit["rule alone"] < hit["lru"] - 2.0  # the rule's skips come back: write-all wins by points
+    assert hit["rule alone"] + 2.0 < hit["default"] < hit["lru"]
+
+
 def scan_lines(n: int, hot: int) -> list[str]:
     """Every other prompt one of ``hot`` recurring ones, the rest used once: writing the one-time
     prompts pushes the recurring ones off a small disk."""

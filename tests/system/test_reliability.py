@@ -6,6 +6,7 @@ long versions are tools/crashloop.py (50 kill -9 loops) and tools/soak.py.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -94,11 +95,31 @@ def _durable_writer(sock: str, tag: str, acked: list, attempted: set, lock: thre
         c.close()
 
 
+def _in_use_shm() -> set[str]:
+    """The /dev/shm entries a live process maps or holds open (another test's processes, beside this one
+    under pytest-xdist, have theirs): what a killed daemon left behind is in no one's hands."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            held |= {line.split("/dev/shm/", 1)[1].split(" ")[0].strip()
+                     for line in open(f"/proc/{pid}/maps") if "/dev/shm/" in line}
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("/dev/shm/"):
+                        held.add(target[len("/dev/shm/"):])
+    return held
+
+
 def _litter(d) -> set[str]:
-    """Every name a daemon (or anything it started) could leave behind: /dev/shm, its socket's directory,
-    and its data directory."""
+    """Every name a daemon (or anything it started) could leave behind: /dev/shm entries no live process
+    holds, its socket's directory, and its data directory."""
     data = {str(p.relative_to(d.data_dir)) for p in Path(d.data_dir).rglob("*")}
-    return {f"shm:{n}" for n in os.listdir("/dev/shm")} | {f"sock:{n}" for n in os.listdir(d.sockdir)} | data
+    shm = set(os.listdir("/dev/shm"))
+    if shm:
+        shm -= _in_use_shm()
+        shm &= set(os.listdir("/dev/shm"))  # an entry gone by now was another process's, unlinked on exit
+    return {f"shm:{n}" for n in shm} | {f"sock:{n}" for n in os.listdir(d.sockdir)} | data
 
 
 def test_kill9_loop_durable_acks_survive(daemon_factory):

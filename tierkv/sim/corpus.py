@@ -9,6 +9,8 @@
   (:mod:`~tierkv.sim.rag_trace`).
 - ``agent``: long shared tool prompts, per-session context growing with tool outputs, sessions
   that pause and resume (:mod:`~tierkv.sim.agent_trace`).
+- ``returns``: prompts of their own, a tenth of them asked again once, long after host memory let
+  them go (:mod:`~tierkv.sim.returns_trace`): selective disk admission loses to writing every victim.
 
 ``TUNING`` names the traces settings are chosen on; ``HELD_OUT`` the traces they are only reported on.
 """
@@ -18,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tierkv.sim import agent_trace, chat_trace, rag_trace
+from tierkv.sim import agent_trace, chat_trace, rag_trace, returns_trace
 from tierkv.sim.gen_common import json_lines
 from tierkv.sim.trace import Request, load_trace, parse_trace
 
 TUNING = ("synthetic", "chat")
-HELD_OUT = ("chat-idle", "rag", "agent")
+HELD_OUT = ("chat-idle", "rag", "agent", "returns")
 NAMES = (*TUNING, *HELD_OUT)
 
 _GENERATED: dict[str, Callable[[int], list[dict]]] = {
@@ -32,6 +34,7 @@ _GENERATED: dict[str, Callable[[int], list[dict]]] = {
         seed=seed, idle_p=0.2, idle_s=900.0, abandon_p=0.33)),
     "rag": lambda seed: rag_trace.generate(rag_trace.RagTraceSpec(seed=seed)),
     "agent": lambda seed: agent_trace.generate(agent_trace.AgentTraceSpec(seed=seed)),
+    "returns": lambda seed: returns_trace.generate(returns_trace.ReturnsTraceSpec(seed=seed)),
 }
 
 
