@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,36 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     config.option.loadscopereorder = False  # collection order: vLLM's modules first (below)
     return VllmOnOneWorker(config, log)
+
+
+@contextlib.contextmanager
+def _machine(exclusive: bool) -> Iterator[None]:
+    """Under pytest-xdist: a test marked ``exclusive`` (it needs the other cores idle: what the daemon
+    does while the engine leaves them so) runs alone, setup to teardown; any other test shares the
+    machine. A turnstile keeps a waiting exclusive test from being starved by the other worker."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"tierkv-tests-{run}"
+    with open(f"{base}.turnstile", "a") as gate, open(f"{base}.machine", "a") as machine:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _machine(item.get_closest_marker("exclusive") is not None):
+        return (yield)
 
 
 @pytest.hookimpl(tryfirst=True)

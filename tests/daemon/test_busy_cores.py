@@ -9,6 +9,7 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from tierkv.daemon.busy_cores import BusyCores
 
@@ -36,6 +37,7 @@ def _others_over(b: BusyCores, seconds: float) -> float:
     return got
 
 
+@pytest.mark.exclusive
 def test_a_spinning_process_counts_and_a_spinning_thread_of_its_own_does_not():
     """Against the load the rest of the machine (other tests' servers, a type checker) adds meanwhile:
     a spinning process raises the reading by about a core, a spinning thread of this process does not."""

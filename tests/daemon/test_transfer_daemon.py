@@ -169,6 +169,7 @@ def _every_core_spinning(cores: int) -> Iterator[None]:
             p.wait()
 
 
+@pytest.mark.exclusive
 def test_write_behind_waits_while_the_engine_keeps_the_cores_busy_and_a_durable_put_does_not(daemon_factory):
     cores = os.cpu_count() or 1
     d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"],
@@ -195,6 +196,7 @@ def test_write_behind_waits_while_the_engine_keeps_the_cores_busy_and_a_durable_
         assert torch.equal(c.get(keys[:100]).view(torch.int16), blocks[:100].view(torch.int16))
 
 
+@pytest.mark.exclusive
 def test_write_behind_goes_on_paced_while_the_engine_is_busy_and_stores_drop_unwritten_blocks(daemon_factory):
     cores = os.cpu_count() or 1
     d = daemon_factory(["--host-capacity", "8MiB", "--slab-bytes", "1MiB"],
