@@ -69,3 +69,20 @@ def test_reuse_model_tails_extension_and_bounds():
     assert m.returns == 1
     with pytest.raises(ValueError):
         ReuseModel(ghost_entries=1)
+
+
+def test_stored_blocks_after_a_requested_prefix_extend_its_chain():
+    """An engine asks for its cached prefix, then stores the rest continuing it: the model learns the
+    request's chain as if the request had named it whole (as ``tierkv replay`` tells it)."""
+    whole, parts = ReuseModel(), ReuseModel()
+    whole.requested(["s", "a", "b", "c"], 5.0)
+    parts.requested(["s", "a"], 5.0)
+    parts.stored(["b", "c"], 5.0, parent="a")
+    for key in "sabc":
+        assert parts.block_class(key, 6.0) == whole.block_class(key, 6.0)
+        assert (parts.depth(key), parts.uses(key)) == (whole.depth(key), whole.uses(key))
+    assert parts.is_tail("c") and not parts.is_tail("a")
+    apart = ReuseModel()  # a parent that does not end the chain a request named: a chain of its own
+    apart.requested(["s", "a", "x"], 5.0)
+    apart.stored(["b", "c"], 5.0, parent="a")
+    assert apart.depth("b") == 0 and apart.is_tail("x") and apart.is_tail("c")

@@ -149,9 +149,9 @@ class Admission:
         """A request finished; ``keys`` are a conversation tail that may be extended."""
         self.model.request_finished(keys, now, output_tokens)
 
-    def stored(self, keys: Sequence[Hashable], now: float) -> None:
-        """``keys`` (a chain) were stored; see :meth:`ReuseModel.stored`."""
-        self.model.stored(keys, now)
+    def stored(self, keys: Sequence[Hashable], now: float, parent: Hashable | None = None) -> None:
+        """``keys`` (a chain continuing ``parent``) were stored; see :meth:`ReuseModel.stored`."""
+        self.model.stored(keys, now, parent)
         self.evict_model.returned(keys)
         self.floor_model.returned(keys)
 

@@ -49,17 +49,19 @@ class HostManager:
         writer_idle: whether the disk writer has no backlog (spare bandwidth).
         changes: where copies gained and lost are reported.
         quotas: the tenants' quotas and use (shared with the disk manager).
+        clock: what the reuse models and the admission rule are told is now.
     """
 
     def __init__(self, table: BlockTable, pool: SlabAllocator, policy: Policy[bytes], disk: DiskManager,
                  reuse: ReuseModel, admission: Admission, settings: tuple[HostConfig, DiskConfig],
-                 writer_idle: Callable[[], bool], changes: TierChanges, quotas: Quotas | None = None) -> None:
+                 writer_idle: Callable[[], bool], changes: TierChanges, quotas: Quotas | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.table, self.pool, self.policy, self.disk = table, pool, policy, disk
         self.quotas = quotas if quotas is not None else Quotas()
         self.reuse, self.admission, self.writer_idle, self.changes = reuse, admission, writer_idle, changes
+        self.clock, self.pinned_bytes = clock, 0
         self.host_cfg, self.disk_cfg = settings
         self.limit = min(pool.capacity, self.host_cfg.capacity)  # effective capacity: `tune host.capacity` lowers it
-        self.pinned_bytes = 0
         self.stats = TierCounters()
 
     def configure(self, host: HostConfig, disk: DiskConfig) -> None:
@@ -174,13 +176,12 @@ class HostManager:
     def drop(self, b: Block) -> None:
         """Free a block's host slot (it stays in the colder tiers that hold it)."""
         assert b.host_off is not None
-        self.reuse.left(b.fk, time.monotonic(), len(self.policy))
+        self.reuse.left(b.fk, self.clock(), len(self.policy))
         self.policy.on_remove(b.fk)
         self._free(b)
         self.stats.evictions += 1
-        if b.on_disk:
-            self.stats.demotions += 1
-        elif b.gpu_off is None:
+        self.stats.demotions += b.on_disk
+        if not b.on_disk and b.gpu_off is None:
             self.disk.forget(b)
 
     def delete(self, b: Block) -> None:
@@ -287,14 +288,12 @@ class HostManager:
     def evictable_exists(self) -> bool:
         """Whether waiting can help: some block is held by neither a client nor a pin (blocks being
         written back or loaded become evictable when their transfer ends)."""
-        def held(fk: bytes) -> bool:
-            b = self.table.blocks[fk]
-            return b.leases > 0 or b.pin > 0
-        return self.policy.victims(1, held) is not None
+        blocks = self.table.blocks
+        return self.policy.victims(1, lambda fk: blocks[fk].leases > 0 or blocks[fk].pin > 0) is not None
 
     def worth_writing(self, b: Block, mode: str) -> bool:
         """Whether the admission rule, in ``mode`` (the disk's or the remote tier's), writes ``b`` to a
         colder tier: every block, the ones the rule predicts are read again (every one but the tails
         under its floor while the writer keeps up), the reused ones or the pinned ones."""
-        return self.admission.wants(b.fk, time.monotonic(), hits=b.hits, sharers=b.leases, pinned=b.pin > 0,
+        return self.admission.wants(b.fk, self.clock(), hits=b.hits, sharers=b.leases, pinned=b.pin > 0,
                                     spare=mode == "predicted" and self.writer_idle(), mode=mode)

@@ -8,8 +8,6 @@ the writes these decisions ask for.
 
 from __future__ import annotations
 
-import time
-
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block
 from tierkv.cache.host_manager import HostManager
@@ -37,7 +35,7 @@ class HostOutflow:
         predicted = adm.mode == "predicted"
         if predicted:
             adm.resize(int(h.disk_cfg.high_watermark * h.disk.capacity()))
-        return adm.admit(b.fk, time.monotonic(), hits=b.hits, sharers=b.leases, pinned=b.pin > 0,
+        return adm.admit(b.fk, h.clock(), hits=b.hits, sharers=b.leases, pinned=b.pin > 0,
                          spare=predicted and h.writer_idle(), size=h.disk.estimate(b.nbytes) if predicted else 1)
 
     def demotion(self, force: bool) -> list[Block]:

@@ -66,6 +66,12 @@ class Hints(Connection):
         body = [[o[0], check_keys(o[1]), int(o[2]), bool(o[3]), *o[4:]] for o in offers]
         return [int(n) for n in self._call(Op.OFFER, {"offers": body})["store"]]
 
+    def set_clock(self, seconds: float) -> None:
+        """Move the clock a daemon started with ``server.synchronous`` decides on (its policies,
+        reuse models and admission rule) to ``seconds`` (never backwards): a trace fed to it request by
+        request is decided on the trace's clock, as ``tierkv replay`` decides it."""
+        self._call(Op.CLOCK, {"now": seconds})
+
     def stats(self) -> dict[str, Any]:
         """The daemon's figures: per tier capacity, usage, hits, misses, bytes, evictions, ..."""
         return self._call(Op.STATS, {})

@@ -60,6 +60,7 @@ class Op(enum.IntEnum):
     SYNC = 24
     REQUEST_FINISHED = 25
     OFFER = 26
+    CLOCK = 27
 
 
 _local = threading.local()

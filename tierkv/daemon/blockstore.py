@@ -93,12 +93,13 @@ class BlockStore:
         """A manager per tier (one whose tier is off says so), and the host tier's outflow to disk."""
         changes, quotas = TierChanges(), Quotas()
         disk = self.disk
-        diskm = DiskManager(table, make_disk_policy(cfg, self.history, self.admission.evict_model), cfg.disk,
+        diskm = DiskManager(table, make_disk_policy(cfg, self.history, self.admission.evict_model, self.ctx.clock), cfg.disk,
                             lambda: disk.capacity if disk is not None else 0, stored_size, changes,
                             present=disk is not None, quotas=quotas)
         spare = lambda: self.ctx.cfg.disk.spare_writes and self.engine.store_backlog() == 0  # noqa: E731
-        hostm = HostManager(table, self.host, make_host_policy(cfg, self.history, self.host_reuse), diskm,
-                            self.host_reuse, self.admission, (cfg.host, cfg.disk), spare, changes, quotas)
+        hostm = HostManager(table, self.host, make_host_policy(cfg, self.history, self.host_reuse, self.ctx.clock),
+                            diskm, self.host_reuse, self.admission, (cfg.host, cfg.disk), spare, changes, quotas,
+                            self.ctx.clock)
         diskm.needed_above = hostm.holds_children
         gpum = GpuManager(table, self._attach_gpu(), _lru("lru"), diskm, changes)
         return TierManagers(table, gpum, hostm, diskm, RemoteManager(changes, self.remote is not None),

@@ -1,5 +1,5 @@
 """What every path of the block store shares: one lock, the condition its waiters wait on, the running
-settings, the closing flag, the health reason and the evictor's wake-up. Waits on the condition are woken
+settings, the decisions' clock, the closing flag, the health reason and the evictor's wake-up. Waits on the condition are woken
 by ``notify`` whenever blocks become free, clean or settled; a wait ends at its deadline or when the
 store closes."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
+from tierkv.cache.clock import DrivenClock
 from tierkv.daemon.config import Config
 
 
@@ -22,6 +24,12 @@ class Context:
         self.degraded = ""  # why the store is degraded ("" when healthy)
         self.wakeup = threading.Event()  # runs the evictor soon: set by kick and by every disk write that settles
         self.force = False  # the next evictor pass demotes at least a slab, even below the high watermark
+        # what the policies, reuse models and admission rule read as now: a client moves it under
+        # ``server.synchronous``, where a store that kicks the evictor waits for the pass it asked for
+        self.synchronous = cfg.server.synchronous
+        self.clock: Callable[[], float] = DrivenClock() if self.synchronous else time.monotonic
+        self.kicks = 0  # evictor passes asked for
+        self.passes = 0  # of those, the ones the evictor has done (its last pass started after them)
 
     def notify(self) -> None:
         """Wake every waiter (a block became free, clean or settled). Lock held."""
@@ -30,6 +38,7 @@ class Context:
     def kick(self, force: bool = False) -> None:
         """Ask the evictor to run soon; ``force``: demote even below the high watermark."""
         self.force = force or self.force
+        self.kicks += 1
         self.wakeup.set()
 
     def wait_until(self, deadline: float) -> bool:
@@ -40,6 +49,13 @@ class Context:
             return False
         self.changed.wait(left)
         return not self.closing
+
+    def wait_for_pass(self, deadline: float) -> None:
+        """Wait until the evictor has done a pass that started after the last :meth:`kick` (its
+        demotion's writes settled), or the deadline. Lock held."""
+        asked = self.kicks
+        while self.passes < asked and self.wait_until(deadline):
+            pass
 
     def close(self) -> None:
         """Mark the store closing and wake every waiter (their waits end)."""

@@ -74,15 +74,18 @@ class Evictor:
         """Write dirty victims back, then free their slots (clean victims are dropped at once)."""
         ctx = self.ctx
         with ctx.lock:
-            force, ctx.force = ctx.force, False
+            force, ctx.force, asked = ctx.force, False, ctx.kicks
             dirty = self.outflow.demotion(force)
             ctx.notify()
             job = self.transfers.store(dirty, background=ctx.cfg.disk.demote_idle, bounded=True) if dirty else None
-        if job is None:
+        if job is None and ctx.passes == asked:
             return
-        job.wait()
-        with ctx.lock:
-            self.outflow.demoted(dirty)
+        if job is not None:
+            job.wait()
+        with ctx.lock:  # the pass is done: a synchronous store that kicked it goes on
+            if job is not None:
+                self.outflow.demoted(dirty)
+            ctx.passes = max(ctx.passes, asked)
             ctx.notify()
 
     def _write_behind(self) -> None:

@@ -19,6 +19,7 @@ from tierkv.cache.block import (
     validate_tenants,
     validate_tokens,
 )
+from tierkv.cache.clock import DrivenClock
 from tierkv.core import protocol
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import Namespace
@@ -228,6 +229,19 @@ class Handlers:
         if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 0):
             raise BadRequest(f"output_tokens must be an int >= 0 or absent, got {out!r}")
         return {"cached": self.store.signals.request_finished(s, keys, out)}
+
+    def clock(self, conn: socket.socket, s: Session, body: dict) -> dict:
+        """Move the decisions' clock (``server.synchronous`` only)."""
+        clock = self.store.ctx.clock
+        if not isinstance(clock, DrivenClock):
+            raise BadRequest("this daemon decides on the monotonic clock: start it with server.synchronous = true "
+                             "to set its clock")
+        with self.store.ctx.lock:
+            try:
+                clock.set(body.get("now"))
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+        return {"now": clock.now}
 
     def offer(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Requests' new blocks offered for storing: how many leading keys of each to store."""

@@ -51,6 +51,11 @@ class ServerConfig:
     """Seconds between the samples behind ``tierkv stats --plot`` (0: no samples)."""
     sample_count: int = 900
     """Samples kept (the newest; 900 at 1 s is the last 15 minutes)."""
+    synchronous: bool = False
+    """Decide on a clock a client moves before each request (``Client.set_clock``) and let a store that
+    needs room wait for the whole demotion it asked for: one trace fed request by request gives one
+    result, the one ``tierkv replay`` computes. Off: the monotonic clock, and a store goes on as soon as
+    a slot frees."""
 
 
     def validate(self) -> None:

@@ -5,8 +5,6 @@ them; the reuse models are kept across restarts."""
 
 from __future__ import annotations
 
-import time
-
 from tierkv.cache.admission import Admission
 from tierkv.cache.block import Block, Session
 from tierkv.cache.costmodel import CostModel
@@ -36,7 +34,7 @@ class Signals:
     def requested(self, s: Session, keys: list[bytes]) -> None:
         """A request uses its prefix chain ``keys`` (fetch, acquire, prefetch; a lookup is only a
         query, and clients mostly answer it from the shared index): the reuse models learn from it."""
-        fks, now = [s.fp + k for k in keys], time.monotonic()
+        fks, now = [s.fp + k for k in keys], self.ctx.clock()
         with self.ctx.lock:
             for fk in fks:
                 self.gate.read(fk)
@@ -66,12 +64,12 @@ class Signals:
 
     def stored(self, fks: list[bytes], starts: dict[int, bytes | None]) -> None:
         """A commit stored chains ``fks`` (each chain starting at an index of ``starts``). Lock held."""
-        now = time.monotonic()
+        now = self.ctx.clock()
         bounds = sorted({0, *starts, len(fks)})
-        for lo, hi in zip(bounds, bounds[1:]):  # each chain on its own
-            self.host_reuse.stored(fks[lo:hi], now)
+        for lo, hi in zip(bounds, bounds[1:]):  # each chain on its own, continuing its parent
+            self.host_reuse.stored(fks[lo:hi], now, starts.get(lo))
             if self.ctx.cfg.disk.admission == "predicted":
-                self.admission.stored(fks[lo:hi], now)
+                self.admission.stored(fks[lo:hi], now, starts.get(lo))
 
     def offered(self, s: Session, offers: list[tuple[bytes | None, list[bytes], int, bool, str | None]]) -> list[int]:
         """Requests' new blocks offered for storing (``(root, keys, first, cut, tenant)`` each): the store
@@ -97,7 +95,7 @@ class Signals:
         keys are cached."""
         fks = [s.fp + k for k in keys]
         with self.ctx.lock:
-            now = time.monotonic()
+            now = self.ctx.clock()
             self.host_reuse.request_finished(fks, now, output_tokens)
             self.admission.request_finished(fks, now, output_tokens)
             return sum(1 for fk in fks if fk in self.table)

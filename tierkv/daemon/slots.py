@@ -40,6 +40,8 @@ class Slots:
             if off is not None:
                 if hp.above_high():
                     self.kick(False)
+                    if ctx.synchronous:  # one trace, one result: the demotion ends before the store goes on
+                        ctx.wait_for_pass(time.monotonic() + ctx.cfg.server.slot_wait_s)
                 return off
             if ctx.closing:
                 raise TierFull("daemon is shutting down")
@@ -56,7 +58,10 @@ class Slots:
             if not wait or now >= deadline or not hp.evictable_exists():
                 raise TierFull("host tier is full: every block is leased, moving or pinned")
             self.kick(True)
-            ctx.wait_until(deadline)
+            if ctx.synchronous:  # the demotion's victims are settled before this store picks any slot
+                ctx.wait_for_pass(deadline)
+            else:
+                ctx.wait_until(deadline)
 
     def gpu(self, slot: int, wait: bool = True) -> int:
         """A device slot, dropping clean device copies (or, with ``wait``, waiting up to

@@ -3,6 +3,7 @@ and each tier's policy built from the configured weights."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ from tierkv.cache import wiring
 from tierkv.cache.admission import Admission
 from tierkv.cache.policy import Policy
 from tierkv.cache.reuse import History, ReuseModel
+from tierkv.cache.wiring import Clock
 from tierkv.daemon.config import Config
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostPool
@@ -62,23 +64,25 @@ def open_tiers(cfg: Config, data_dir: str) -> Tiers:
     return Tiers(host, disk, gpu, remote)
 
 
-def make_host_policy(cfg: Config, history: History, reuse: ReuseModel) -> Policy:
-    """The host tier's policy from the daemon's settings (:func:`tierkv.cache.wiring.host_policy`): the
-    ``[policy]`` weights, weighted by the host's own reuse model, with the LRU shadow of
-    ``host.shadow_rate``."""
+def make_host_policy(cfg: Config, history: History, reuse: ReuseModel, clock: Clock = time.monotonic) -> Policy:
+    """The host tier's policy from the daemon's settings (:func:`tierkv.cache.wiring.host_policy`) on the
+    decisions' ``clock``: the ``[policy]`` weights, weighted by the host's own reuse model, with the LRU
+    shadow of ``host.shadow_rate``."""
     name = cfg.host.policy
     return wiring.host_policy(name, cfg.policy_settings(name), {"shadow_rate": cfg.host.shadow_rate},
-                              history=history, reuse=reuse)
+                              clock=clock, history=history, reuse=reuse)
 
 
-def make_disk_policy(cfg: Config, history: History, evict_model: ReuseModel) -> Policy:
-    """The disk tier's policy from the daemon's settings (:func:`tierkv.cache.wiring.colder_policy`):
-    weighted by the admission rule's eviction model under ``predicted`` ``disk.admission``, aged by
-    ``disk.idle_aging``, with the LRU shadow of ``disk.order_shadow_rate`` fed by the disk's references."""
+def make_disk_policy(cfg: Config, history: History, evict_model: ReuseModel,
+                     clock: Clock = time.monotonic) -> Policy:
+    """The disk tier's policy from the daemon's settings (:func:`tierkv.cache.wiring.colder_policy`) on the
+    decisions' ``clock``: weighted by the admission rule's eviction model under ``predicted``
+    ``disk.admission``, aged by ``disk.idle_aging``, with the LRU shadow of ``disk.order_shadow_rate`` fed
+    by the disk's references."""
     name = cfg.disk.policy
     return wiring.colder_policy(name, cfg.policy_settings(name),
                                 {"idle_aging": cfg.disk.idle_aging, "shadow_rate": cfg.disk.order_shadow_rate},
-                                evict_model=evict_model, mode=cfg.disk.admission, history=history)
+                                evict_model=evict_model, mode=cfg.disk.admission, clock=clock, history=history)
 
 
 def make_admission(cfg: Config, history: History, records: int) -> Admission:

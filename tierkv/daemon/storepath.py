@@ -5,6 +5,8 @@ tier's slots and commits are :mod:`tierkv.daemon.gpupath`'s."""
 
 from __future__ import annotations
 
+import time
+
 from tierkv.cache.block import Block, Session
 from tierkv.cache.managers import TierManagers
 from tierkv.core.errors import BadRequest, TierKVError
@@ -114,6 +116,9 @@ class StorePath:
             self.ctx.notify()
         finish(self.ctx, job, through)
         self.ctx.kick()
+        if self.ctx.synchronous:  # one trace, one result: the evictor's pass ends before the commit returns
+            with self.ctx.lock:
+                self.ctx.wait_for_pass(time.monotonic() + self.ctx.cfg.server.slot_wait_s)
         return len(new)
 
     def _publish_host(self, s: Session, ns: Namespace, fks: list[bytes], offsets: list[int],

@@ -52,9 +52,9 @@ class Tuner:
                                 disk.map_size if disk is not None else 0)
         host_policy = disk_policy = None
         if tuning.policy_changed("host", changed):
-            host_policy = make_host_policy(new, self.history, self.host_reuse)
+            host_policy = make_host_policy(new, self.history, self.host_reuse, self.ctx.clock)
         if tuning.policy_changed("disk", changed):
-            disk_policy = make_disk_policy(new, self.history, self.admission.evict_model)
+            disk_policy = make_disk_policy(new, self.history, self.admission.evict_model, self.ctx.clock)
         with self.ctx.lock:
             if host_policy is not None:
                 self._swap_host_policy(host_policy)

@@ -41,6 +41,7 @@ from typing import Any
 
 from tierkv.cache import wiring
 from tierkv.cache.admission import Admission
+from tierkv.cache.clock import DrivenClock
 from tierkv.cache.policy import Policy, policy_class
 from tierkv.cache.policy.attention import AttentionPolicy
 from tierkv.cache.quotas import Quotas
@@ -51,16 +52,6 @@ from tierkv.sim.result import ReplayResult, percentile
 from tierkv.sim.spec import ReplayConfig, TierSpec
 from tierkv.sim.stack import TierStack
 from tierkv.sim.workload import Workload, prefill_seconds
-
-
-class _Clock:
-    __slots__ = ("now",)
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Simulator:
@@ -76,7 +67,7 @@ class Simulator:
         if workload.page_tokens != config.page_tokens:
             raise ValueError("workload and config disagree on page_tokens")
         self.w, self.config, self.policy_name = workload, config, policy
-        self.clock = _Clock()
+        self.clock = DrivenClock()
         page_bytes = config.page_bytes
         unique_bytes = workload.unique_pages * page_bytes
         self.caps = [parse_capacity(str(t.capacity), unique_bytes) if not isinstance(t.capacity, int)

@@ -148,13 +148,24 @@ class ReuseModel:
             if self._edges:
                 r.chain.out = 1 + bisect.bisect_right(self._edges, output_tokens)
 
-    def stored(self, keys: Sequence[Hashable], now: float) -> None:
-        """``keys`` (a chain, in order) were stored: a use for those no request named; a key on the
-        ghost list counts a return (it was dropped and computed again)."""
+    def stored(self, keys: Sequence[Hashable], now: float, parent: Hashable | None = None) -> None:
+        """``keys`` (a chain, in order, continuing ``parent``) were stored: a use for those no request
+        named; a key on the ghost list counts a return (it was dropped and computed again). New keys
+        after the tail of the chain a request just named extend that chain, as if the request had named
+        them too (an engine asks for its cached prefix, then stores the rest)."""
         fresh = [k for k in keys if k not in self._rec]
         self.returned(keys)
-        if fresh:
-            self.requested(fresh, now)
+        head = self._rec.get(parent) if parent is not None else None
+        if head is None or head.chain.tail != parent or len(fresh) != len(keys):
+            if fresh:
+                self.requested(fresh, now)
+            return
+        chain = head.chain
+        chain.length, chain.t, chain.tail = chain.length + len(keys), now, keys[-1]
+        for d, key in enumerate(keys, head.depth + 1):
+            r = self._rec[key] = _Rec(chain, d)
+            r.uses = 1
+        self._trim()
 
     def left(self, key: Hashable, now: float, horizon: int | None = None) -> None:
         """``key`` left the tier (evicted, demoted or dropped): remember its class. ``horizon``: how
