@@ -37,11 +37,9 @@ def _others_over(b: BusyCores, seconds: float) -> float:
     return got
 
 
-@pytest.mark.exclusive
-def test_a_spinning_process_counts_and_a_spinning_thread_of_its_own_does_not():
-    """Against the load the rest of the machine (other tests' servers, a type checker) adds meanwhile:
-    a spinning process raises the reading by about a core, a spinning thread of this process does not."""
-    b = BusyCores(window=0.5)
+def _readings(b: BusyCores) -> tuple[float, float, float, float, float]:
+    """The reading quiet, with a spinning process, quiet again, with a spinning thread of this process,
+    and the share of a core that thread ran."""
     quiet = _others_over(b, 0.8)
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -67,6 +65,20 @@ def test_a_spinning_process_counts_and_a_spinning_thread_of_its_own_does_not():
         t.join()
     own1 = psutil.Process().cpu_times()
     ran = (own1.user + own1.system - own0.user - own0.system) / (time.monotonic() - t0)
-    assert with_process >= quiet + 0.5 or with_process >= (os.cpu_count() or 1) - 0.3  # all busy
-    assert ran >= 0.3  # the thread ran: it is this process's time the reading leaves out
-    assert with_thread < max(quiet, quiet_again) + 0.5
+    return quiet, with_process, quiet_again, with_thread, ran
+
+
+@pytest.mark.exclusive
+def test_a_spinning_process_counts_and_a_spinning_thread_of_its_own_does_not():
+    """Against the load the rest of the machine (other tests' servers, a type checker) adds meanwhile:
+    a spinning process raises the reading by about a core, a spinning thread of this process does not.
+    That load may change between two readings; up to three rounds are read, and one where it held
+    still must show both."""
+    b = BusyCores(window=0.5)
+    cores = os.cpu_count() or 1
+    for _ in range(3):
+        quiet, with_process, quiet_again, with_thread, ran = got = _readings(b)
+        counted = with_process >= quiet + 0.5 or with_process >= cores - 0.3  # all busy
+        if counted and ran >= 0.3 and with_thread < max(quiet, quiet_again) + 0.5:
+            return
+    raise AssertionError(f"quiet, with a process, quiet, with a thread, the thread's share: {got}")

@@ -280,7 +280,7 @@ def test_preempted_requests_resume_with_identical_output(stack):
         t.start()
     for t in threads:
         t.join(600)
-    assert metric(stack.server, "vllm:num_preemptions_total") > preempted
+    assert _stats_metric(stack, "vllm:num_preemptions_total", preempted + 1) > preempted  # periodic stats
     assert [out[i].text for i in range(len(convs))] == [a.text for a in alone]
 
 
