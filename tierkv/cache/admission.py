@@ -43,10 +43,9 @@ Plain code, no threads and no I/O: the daemon and ``tierkv replay`` both call it
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 from tierkv.cache.admission_shadow import AdmissionShadow
-from tierkv.cache.policy.base import Setting, checked_settings
+from tierkv.cache.policy.base import Setting, Values, checked_settings
 from tierkv.cache.reuse import ReuseModel
 
 MODES = ("predicted", "reused", "all", "pinned")
@@ -56,8 +55,8 @@ def _same(key: Hashable) -> Hashable:
     return key
 
 
-def _check_mode(mode: str) -> str:
-    if mode not in MODES:
+def _check_mode(mode: object) -> str:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"admission mode must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
 
@@ -96,7 +95,7 @@ class Admission:
                             "coin's to take over", min=0.0, max=10.0),
     }
 
-    def __init__(self, mode: str = "predicted", **settings: Any) -> None:
+    def __init__(self, mode: str = "predicted", **settings: object) -> None:
         self.mode = _check_mode(mode)
         own = {k: v for k, v in settings.items() if k not in ReuseModel.SETTINGS}
         self.model = ReuseModel(**{k: v for k, v in settings.items() if k in ReuseModel.SETTINGS})
@@ -114,7 +113,7 @@ class Admission:
     def _make_shadow(self) -> None:
         """(Re)build the shadow when its settings changed; it starts empty."""
         s = self._settings
-        key = (s["shadow_rate"], s["shadow_window"], s["shadow_z"])
+        key = (s.number("shadow_rate"), s.number("shadow_window"), s.number("shadow_z"))
         if key != self._shadow_key:
             self._shadow_key = key
             self.shadow = AdmissionShadow(*key) if key[0] else None
@@ -174,12 +173,12 @@ class Admission:
         if sharers >= 2:
             return True
         s = self._settings
-        if s["floor"] and self.model.is_tail(key) and self.floor_model.p(key, now) < s["floor"]:
+        if s.number("floor") and self.model.is_tail(key) and self.floor_model.p(key, now) < s.number("floor"):
             return False
         if spare:
             return True
-        saved = s["recompute_s"] * (1.0 + s["depth_cost"] * self.model.depth(key))
-        return self.model.p(key, now) * saved >= s["write_s"]
+        saved = s.number("recompute_s") * (1.0 + s.number("depth_cost") * self.model.depth(key))
+        return self.model.p(key, now) * saved >= s.number("write_s")
 
     def admit(self, key: Hashable, now: float, *, hits: int = 0, sharers: int = 0, pinned: bool = False,
               spare: bool = False, size: int = 1) -> bool:
@@ -211,7 +210,7 @@ class Admission:
             self.rejected += 1
         return ok
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, object]:
         """Counters and the learned classes (for ``tierkv stats``)."""
         return {"mode": self.mode, "admitted": self.admitted, "rejected": self.rejected,
                 **self.model.snapshot(), "eviction": self._brief(self.evict_model),
@@ -219,15 +218,15 @@ class Admission:
                 **({"shadow": self.shadow.snapshot()} if self.shadow is not None else {})}
 
     @staticmethod
-    def _brief(model: ReuseModel) -> dict[str, Any]:
+    def _brief(model: ReuseModel) -> dict[str, object]:
         return {k: v for k, v in model.snapshot().items() if k in ("returns", "ghost", "restored_counts", "classes")}
 
     # -- settings ---------------------------------------------------------------------------------
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> Values:
         """The effective settings (a copy), with the mode and the model's."""
-        return {"mode": self.mode, **self._settings, **self.model.settings()}
+        return Values({"mode": self.mode, **self._settings, **self.model.settings()})
 
-    def update(self, **settings: Any) -> None:
+    def update(self, **settings: object) -> None:
         """Change settings; a bad key or value raises ``ValueError`` and changes nothing."""
         mode = _check_mode(settings.pop("mode", self.mode))
         model = {k: settings.pop(k) for k in list(settings) if k in ReuseModel.SETTINGS}
@@ -240,8 +239,8 @@ class Admission:
 
     def _evict_ghost(self) -> int:
         """The eviction model's ghost list: ``evict_horizon`` times the admission model's."""
-        return max(16, round(self._settings["evict_horizon"] * self.model.settings()["ghost_entries"]))
+        return max(16, round(self._settings.number("evict_horizon") * self.model.settings().count("ghost_entries")))
 
     def _floor_ghost(self) -> int:
         """The floor model's ghost list: ``floor_horizon`` times the admission model's."""
-        return max(16, round(self._settings["floor_horizon"] * self.model.settings()["ghost_entries"]))
+        return max(16, round(self._settings.number("floor_horizon") * self.model.settings().count("ghost_entries")))

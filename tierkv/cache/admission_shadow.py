@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
-from typing import Any
 
 from tierkv.cache.policy.shadow import Contest
 
@@ -77,6 +76,6 @@ class AdmissionShadow(Contest):
         cache[key] = size
         self.used[i] += size
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, object]:
         """The leader, the decayed hit counts (blocks) and how often the leader changed (for ``tierkv stats``)."""
         return self.snapshot_of(NAMES[self.leader])

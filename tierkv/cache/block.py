@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tierkv.core.errors import BadRequest
 from tierkv.core.keys import MAX_KEY_BYTES, Namespace
+
+if TYPE_CHECKING:
+    from tierkv.movers.engine import Job
 
 
 class LoadSignal(Protocol):
@@ -142,7 +145,7 @@ class Session:
     # fetches not yet waited: blocks, their source tiers, and the tier they are leased in
     tickets: dict[int, tuple[list[Block], list[str], str]] = field(default_factory=dict)
     # durable writes committed with wait=False, not yet waited for by SYNC (transfer jobs)
-    pending: list[Any] = field(default_factory=list)
+    pending: list[Job] = field(default_factory=list)
 
 
 def validate_keys(keys: object, limit: int = 1 << 16) -> list[bytes]:

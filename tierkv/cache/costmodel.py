@@ -25,7 +25,7 @@ import operator
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple, SupportsIndex
 
 __all__ = ["DEFAULT_PRIORS", "CostModel", "Prior", "Run", "RunPlan"]
 
@@ -67,23 +67,20 @@ class RunPlan:
     recompute_s: float   # predicted seconds to recompute its tokens at this depth
 
 
-def _nonneg_int(value: Any, what: str) -> int:
-    try:
-        v = operator.index(value)
-    except TypeError:
-        v = -1
+def _nonneg_int(value: object, what: str) -> int:
+    v = operator.index(value) if isinstance(value, SupportsIndex) else -1
     if isinstance(value, bool) or v < 0:
         raise ValueError(f"{what} must be a non-negative int, got {value!r}")
     return v
 
 
-def _positive(value: Any, what: str) -> float:
+def _positive(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{what} must be a positive finite number, got {value!r}")
     return float(value)
 
 
-def _nonneg(value: Any, what: str) -> float:
+def _nonneg(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise ValueError(f"{what} must be a non-negative finite number, got {value!r}")
     return float(value)
@@ -146,7 +143,7 @@ class CostModel:
     def __init__(self, priors: Mapping[str, Prior | tuple[float, float]] | None = None, *,
                  recompute_tokens_per_s: float = 10_000.0, attention_tokens: int = 32_768, alpha: float = 0.2,
                  min_observations: int = 3, safety: float = 1.0,
-                 lock: AbstractContextManager[Any] | None = None) -> None:
+                 lock: AbstractContextManager[object] | None = None) -> None:
         src = DEFAULT_PRIORS if priors is None else priors
         self._priors: dict[str, Prior] = {}
         for tier, p in src.items():
@@ -161,7 +158,7 @@ class CostModel:
         if self.attention_tokens == 0:
             raise ValueError("attention_tokens must be positive")
         self.safety = _positive(safety, "safety")
-        self._lock: AbstractContextManager[Any] = lock if lock is not None else contextlib.nullcontext()
+        self._lock: AbstractContextManager[object] = lock if lock is not None else contextlib.nullcontext()
         self._fits: dict[str, _LineFit] = {}
         self._sec_per_token = 1.0 / _positive(recompute_tokens_per_s, "recompute_tokens_per_s")
         self._rc_sum = self._rc_w = 0.0
@@ -169,7 +166,7 @@ class CostModel:
         self._rc_given = False
 
     @staticmethod
-    def _tier(tier: Any) -> str:
+    def _tier(tier: object) -> str:
         if not isinstance(tier, str) or not tier:
             raise ValueError(f"tier must be a non-empty string, got {tier!r}")
         return tier
@@ -332,7 +329,7 @@ class CostModel:
         return [RunPlan(tier, nbytes, tokens, depths[j], decisions[j], fetch_s[j], recompute_s[j])
                 for j, (tier, nbytes, tokens) in enumerate(items)]
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, object]:
         """Current estimates, for stats and the CLI."""
         with self._lock:
             tiers = {}

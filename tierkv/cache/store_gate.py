@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tierkv.cache.policy.base import Setting, checked_settings
 
@@ -81,7 +80,7 @@ class StoreGate:
                               "costs say", min=0.0, max=1.0),
     }
 
-    def __init__(self, mode: str = "predicted", **settings: Any) -> None:
+    def __init__(self, mode: str = "predicted", **settings: object) -> None:
         if mode not in MODES:
             raise ValueError(f"store gate mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
@@ -92,7 +91,7 @@ class StoreGate:
         self.c = GateCounters()
 
     # ---- settings ---------------------------------------------------------------------------------
-    def update(self, mode: str | None = None, **settings: Any) -> None:
+    def update(self, mode: str | None = None, **settings: object) -> None:
         """Change the mode or settings (checked first; a bad one changes nothing)."""
         if mode is not None and mode not in MODES:
             raise ValueError(f"store gate mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -132,13 +131,13 @@ class StoreGate:
         s = self._settings
         counts = self._counts.get(cls)
         offers, returns = (counts[b][0], counts[b][1]) if counts is not None else (0.0, 0.0)
-        return (returns + s["prior"] * s["prior_weight"]) / (offers + s["prior_weight"])
+        return (returns + s.number("prior") * s.number("prior_weight")) / (offers + s.number("prior_weight"))
 
     def threshold(self, costs: BlockCosts, position: int) -> float:
         """The chance of a return a block at ``position`` needs to be worth storing."""
         rc = costs.recompute_s(position)
         need = costs.store_s / rc if rc > 0 else 1.0
-        return max(self._settings["min_return"], min(1.0, need))
+        return max(self._settings.number("min_return"), min(1.0, need))
 
     def pays(self, cls: Hashable, position: int, costs: BlockCosts) -> bool:
         """Whether a block of ``cls`` at ``position`` is worth storing now (``all``: always)."""
@@ -158,8 +157,8 @@ class StoreGate:
         while not cut and n < len(keys) and (self.pays(cls, first + n, costs)
                                              or (back[n] and costs.store_s < costs.recompute_s(first + n))):
             n += 1
-        ghosts, limit = self._ghosts, int(self._settings["ghost_entries"])
-        keep = 0.5 ** (1.0 / self._settings["half_life"])
+        ghosts, limit = self._ghosts, int(self._settings.number("ghost_entries"))
+        keep = 0.5 ** (1.0 / self._settings.number("half_life"))
         for i, key in enumerate(keys):
             b = bucket(first + i)
             pair = counts[b]
@@ -173,7 +172,7 @@ class StoreGate:
         self.c.skipped += len(keys) - n
         return n
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, object]:
         """Mode, counters, and per position bucket the share of offered blocks that came back, over every
         class (``None`` where nothing was offered)."""
         buckets = []

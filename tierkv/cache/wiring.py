@@ -14,10 +14,8 @@ Plain code, no threads and no I/O.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any
 
 from tierkv.cache.admission import Admission
 from tierkv.cache.policy import Policy, make_policy, policy_class
@@ -32,7 +30,7 @@ def host_reuse(max_records: int) -> ReuseModel:
     return ReuseModel(max_records=max_records, output_edges="")
 
 
-def admission_rule(mode: str, settings: Mapping[str, Any], *, ghost_entries: int, max_records: int,
+def admission_rule(mode: str, settings: Mapping[str, object], *, ghost_entries: int, max_records: int,
                    unit: Callable[[Hashable], Hashable]) -> Admission:
     """The colder tier's admission rule.
 
@@ -48,9 +46,9 @@ def admission_rule(mode: str, settings: Mapping[str, Any], *, ghost_entries: int
     return rule
 
 
-def tier_policy(name: str, settings: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, *,
+def tier_policy(name: str, settings: Mapping[str, object], overrides: Mapping[str, object] | None = None, *,
                 clock: Clock = time.monotonic, history: History | None = None,
-                reuse: ReuseModel | None = None, **hooks: Any) -> Policy:
+                reuse: ReuseModel | None = None, **hooks: object) -> Policy:
     """One tier's policy.
 
     Args:
@@ -63,27 +61,26 @@ def tier_policy(name: str, settings: Mapping[str, Any], overrides: Mapping[str, 
         **hooks: passed as they are (``cost_fn``, ``next_use``).
     """
     cls = policy_class(name)
-    kwargs = dict(settings)
+    kwargs: dict[str, object] = dict(settings)
     kwargs.update({k: v for k, v in (overrides or {}).items() if k in cls.SETTINGS})
-    params = inspect.signature(cls).parameters
-    if history is not None and "history" in params:
+    if history is not None and "history" in cls.HOOKS:
         kwargs["history"] = history
-    if reuse is not None and "reuse" in params:
+    if reuse is not None and "reuse" in cls.HOOKS:
         kwargs["reuse"] = reuse.predictor(clock)
     return make_policy(name, clock=clock, **kwargs, **hooks)
 
 
-def host_policy(name: str, settings: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, *,
+def host_policy(name: str, settings: Mapping[str, object], overrides: Mapping[str, object] | None = None, *,
                 clock: Clock = time.monotonic, history: History | None = None,
-                reuse: ReuseModel | None = None, **hooks: Any) -> Policy:
+                reuse: ReuseModel | None = None, **hooks: object) -> Policy:
     """The host tier's policy, weighted by the host's reuse model (:func:`host_reuse`); arguments as
     :func:`tier_policy`."""
     return tier_policy(name, settings, overrides, clock=clock, history=history, reuse=reuse, **hooks)
 
 
-def colder_policy(name: str, settings: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, *,
+def colder_policy(name: str, settings: Mapping[str, object], overrides: Mapping[str, object] | None = None, *,
                   evict_model: ReuseModel, mode: str, clock: Clock = time.monotonic,
-                  history: History | None = None, **hooks: Any) -> Policy:
+                  history: History | None = None, **hooks: object) -> Policy:
     """The colder tier's policy: weighted by the admission rule's eviction model
     (:attr:`Admission.evict_model <tierkv.cache.admission.Admission.evict_model>`) under ``predicted``
     admission (``mode``), with its LRU shadow fed by the tier's references (the blocks a request uses

@@ -13,7 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from tierkv.core.paths import default_runtime_dir, default_socket
 from tierkv.core.units import parse_size
@@ -44,7 +44,7 @@ class Config:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
-    policy: dict[str, Any] = field(default_factory=dict)
+    policy: dict[str, object] = field(default_factory=dict)
     """Policy weights (``[policy]`` table, ``policy.<name>`` keys), applied to every tier whose policy has them."""
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -66,20 +66,20 @@ class Config:
 
         self.remote.validate(available_codecs())
 
-    def policy_settings(self, name: str) -> dict[str, Any]:
+    def policy_settings(self, name: str) -> dict[str, object]:
         """The ``[policy]`` settings that the policy ``name`` has."""
         from tierkv.cache.policy import policy_class
 
         known = policy_class(name).SETTINGS
         return {k: v for k, v in self.policy.items() if k in known}
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
+    def to_dict(self) -> dict[str, dict[str, object]]:
         """Effective settings as nested plain dicts."""
-        out = {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS if name != "policy"}
+        out: dict[str, dict[str, object]] = {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS if name != "policy"}
         out["policy"] = dict(self.policy)
         return out
 
-    def set(self, dotted: str, value: Any, source: str) -> None:
+    def set(self, dotted: str, value: object, source: str) -> None:
         """Set ``section.key`` from a string or typed value, converting to the field's type."""
         section, _, key = dotted.partition(".")
         if section not in self.SECTIONS or not key:
@@ -99,9 +99,9 @@ class Config:
 def _check_policies(cfg: Config) -> None:
     from tierkv.cache.policy import policy_class, policy_names
 
-    for name, value in (("host.policy", cfg.host.policy), ("disk.policy", cfg.disk.policy)):
-        if value not in policy_names():
-            raise ValueError(f"{name}: unknown policy {value!r} (known: {', '.join(policy_names())})")
+    for name, chosen in (("host.policy", cfg.host.policy), ("disk.policy", cfg.disk.policy)):
+        if chosen not in policy_names():
+            raise ValueError(f"{name}: unknown policy {chosen!r} (known: {', '.join(policy_names())})")
     # A weight is kept even while the active policies lack it (it applies when one that has it is
     # chosen); a key no built-in policy knows is a typo.
     every = {n: policy_class(n).SETTINGS for n in policy_names()}
@@ -117,10 +117,10 @@ def _check_policies(cfg: Config) -> None:
 _SIZE_KEYS = {"capacity", "slab_bytes", "max_frame_bytes", "host_disk", "gpu_host", "host_remote", "batch_bytes"}
 
 
-def _convert(name: str, typ: Any, value: Any, key: str) -> Any:
+def _convert(name: str, typ: object, value: object, key: str) -> object:
     try:
         if key in _SIZE_KEYS:
-            return parse_size(value)
+            return parse_size(_scalar(value))
         if typ is bool:
             if isinstance(value, bool):
                 return value
@@ -133,28 +133,37 @@ def _convert(name: str, typ: Any, value: Any, key: str) -> Any:
         if typ is int:
             if isinstance(value, bool):
                 raise ValueError("expected an integer")
-            return int(value)
+            return int(_scalar(value))
         if typ is float:
-            return float(value)
+            return float(_scalar(value))
         if typ is str:
             if not isinstance(value, str):
                 raise ValueError("expected a string")
             return value
-        if getattr(typ, "__origin__", None) is Literal:
+        if get_origin(typ) is Literal:
             if value not in get_args(typ):
                 raise ValueError(f"expected one of {get_args(typ)}")
             return value
-        if getattr(typ, "__origin__", None) is list:
+        if get_origin(typ) is list:
             if isinstance(value, str):
                 value = [v for v in value.split(",") if v.strip()]
-            return [int(v) for v in value]
+            if not isinstance(value, (list, tuple)):
+                raise ValueError("expected a list")
+            return [int(_scalar(v)) for v in value]
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad value for {name}: {value!r} ({exc})") from None
     raise ValueError(f"cannot set {name}")
 
 
+def _scalar(value: object) -> int | float | str:
+    """A number or text from a config file, the environment or a flag (anything else is a TypeError)."""
+    if isinstance(value, (int, float, str)):
+        return value
+    raise TypeError(f"expected a number, got {type(value).__name__}")
+
+
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                overrides: dict[str, Any] | None = None) -> Config:
+                overrides: dict[str, object] | None = None) -> Config:
     """Build the effective config: defaults < TOML ``path`` < ``TIERKV_SECTION_KEY`` env < ``overrides``.
 
     Args:

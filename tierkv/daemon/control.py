@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from tierkv.cache.block import MAX_TENANT, Session
 from tierkv.core.errors import BadRequest, TierFull, TierKVError
@@ -270,7 +269,7 @@ def _pin_tier(req: dict) -> str:
     return str(tier)
 
 
-def _tokens(value: Any) -> list[int]:
+def _tokens(value: object) -> list[int]:
     if not isinstance(value, list) or not value or len(value) > MAX_TOKENS:
         raise BadRequest(f"tokens must be a list of 1..{MAX_TOKENS} token ids")
     for t in value:

@@ -23,9 +23,10 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import lmdb
 import msgpack
@@ -57,7 +58,7 @@ class EventCounters:
     lag_ms_max: float = 0.0
     replays: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"events": self.events, "batches": self.batches, "seq": self.seq, "replays": self.replays,
                 "lag_ms_last": round(self.lag_ms_last, 2), "lag_ms_max": round(self.lag_ms_max, 2)}
 
@@ -169,7 +170,7 @@ def _attach(sock: zmq.Socket, endpoint: str) -> None:
 class KvEvents:
     """The changes the block table reports, turned into batches of KV events on one thread."""
 
-    def __init__(self, cfg: EventsConfig, table: BlockTable, changes: TierChanges, lock: Any,
+    def __init__(self, cfg: EventsConfig, table: BlockTable, changes: TierChanges, lock: AbstractContextManager[object],
                  data_dir: str | None) -> None:
         self.cfg, self.table, self.changes, self.lock = cfg, table, changes, lock
         self.stats = EventCounters()
@@ -267,7 +268,7 @@ class KvEvents:
             self.tokens.close()
 
 
-def open_events(cfg: EventsConfig, table: BlockTable, changes: TierChanges, lock: Any,
+def open_events(cfg: EventsConfig, table: BlockTable, changes: TierChanges, lock: AbstractContextManager[object],
                 data_dir: str | None) -> KvEvents | None:
     """The daemon's KV events when ``events.endpoint`` is set (taking the tier managers' ``changes``,
     the copies ``table``'s records hold already first), else None."""

@@ -8,7 +8,8 @@ import logging
 import math
 import os
 import socket
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from tierkv.cache import tuning
 from tierkv.cache.block import (
@@ -31,6 +32,7 @@ from tierkv.daemon.samples import SampleRing
 from tierkv.daemon.sessions import namespace
 
 SENT = object()  # a handler's result when it sent its reply itself (HELLO passes file descriptors)
+Handler = Callable[[socket.socket, Session, dict], object]  # a reply body (packed as msgpack), or SENT
 
 
 class Served(Protocol):
@@ -57,15 +59,16 @@ class Handlers:
         assert self.srv.store is not None
         return self.srv.store
 
-    def by_opcode(self) -> dict[int, tuple[Op, Any]]:
-        """opcode -> (Op, bound handler), built once: no enum or attribute lookups per request."""
-        return {int(o): (o, getattr(self, o.name.lower())) for o in Op if hasattr(self, o.name.lower())}
+    def by_opcode(self) -> dict[int, tuple[Op, Handler]]:
+        """opcode -> (Op, bound handler: the method named for it), built once: no enum or attribute lookups
+        per request."""
+        return {int(o): (o, getattr(self, o.name.lower())) for o in Op}
 
     def ping(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Liveness: the daemon's pid and protocol version."""
         return {"pong": True, "pid": os.getpid(), "version": protocol.VERSION}
 
-    def hello(self, conn: socket.socket, s: Session, body: dict) -> Any:
+    def hello(self, conn: socket.socket, s: Session, body: dict) -> object:
         """Bind the connection to a namespace; the reply carries the pools' and the index's fds."""
         try:
             ns = Namespace.from_dict(body.get("namespace") or {})

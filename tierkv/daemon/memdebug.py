@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from tierkv.daemon.malloc import TRIM_STATS
 
@@ -97,7 +96,7 @@ def start(sizes: Callable[[], dict[str, int]]) -> None:
         prev = None
         while True:
             time.sleep(every)
-            row: dict[str, Any] = {"t": round(time.time() - t0, 1), **anon_maps(), **mallinfo(),
+            row: dict[str, object] = {"t": round(time.time() - t0, 1), **anon_maps(), **mallinfo(),
                                    **malloc_arenas(), "py_blocks": sys.getallocatedblocks(),
                                    "gc_objects": len(gc.get_objects())}
             row.update({f"trim_{k}": v for k, v in TRIM_STATS.items()})

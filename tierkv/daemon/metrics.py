@@ -16,7 +16,6 @@ import logging
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -27,6 +26,8 @@ from prometheus_client.registry import Collector
 from tierkv.core.errors import TierKVError
 from tierkv.core.prefix import parse_token_ids
 from tierkv.core.protocol import Op
+from tierkv.daemon.control import Control
+from tierkv.daemon.handlers import Served
 
 log = logging.getLogger("tierkv.daemon.metrics")
 
@@ -71,7 +72,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
 class StatsCollector(Collector):
     """Reads ``stats()`` of a running :class:`tierkv.daemon.server.Server` on each scrape."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Served) -> None:
         self.server = server
 
     def describe(self) -> list[Metric]:
@@ -210,14 +211,14 @@ def _tenant_metrics(tenants: dict[str, dict]) -> Iterator[Metric]:
 class Metrics:
     """The registry of one daemon: its stats collector and the request latency histogram."""
 
-    def __init__(self, server: Any, control: Any = None) -> None:
+    def __init__(self, server: Served, control: Control | None = None) -> None:
         """``control``: the :class:`~tierkv.daemon.control.Control` that answers ``/v1/...`` (None: 404)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(server))
         self.latency = Histogram("tierkv_request_duration_seconds", "Time to serve a request, by op.",
                                  ["op"], registry=self.registry, buckets=LATENCY_BUCKETS)
-        self._children: dict[int, Any] = {}
-        self._http: Any = None
+        self._children: dict[int, Histogram] = {}
+        self._http: ThreadingHTTPServer | None = None
         self._server = server
         self._control = control
 
@@ -242,9 +243,9 @@ class Metrics:
             raise TierKVError(f"cannot serve metrics on {addr}: {exc.strerror or exc}") from None
         self._http.daemon_threads = True
         threading.Thread(target=self._http.serve_forever, name="tierkv-metrics", daemon=True).start()
-        bound = self._http.server_address[:2]
+        bound = str(self._http.server_address[0]), int(self._http.server_address[1])
         log.info("metrics on http://%s:%d/metrics", *bound)
-        return bound[0], bound[1]
+        return bound
 
     def close(self) -> None:
         """Stop serving."""
@@ -254,7 +255,7 @@ class Metrics:
             self._http = None
 
 
-def _handler(registry: CollectorRegistry, server: Any, control: Any) -> type:
+def _handler(registry: CollectorRegistry, server: Served, control: Control | None) -> type:
     """The request handler: ``/lookup`` here, ``/v1/...`` the control API's, everything else
     Prometheus's exposition."""
     base = MetricsHandler.factory(registry)
@@ -289,13 +290,13 @@ def _handler(registry: CollectorRegistry, server: Any, control: Any) -> type:
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
             return None
 
     return Handler
 
 
-def _lookup(server: Any, query: dict[str, list[str]]) -> tuple[int, dict]:
+def _lookup(server: Served, query: dict[str, list[str]]) -> tuple[int, dict]:
     """(HTTP status, JSON body) of ``/lookup``."""
     try:
         model = query.get("model", [""])[0]

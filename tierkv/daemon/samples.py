@@ -10,22 +10,20 @@ import collections
 import logging
 import threading
 import time
-from typing import Any
 
 from tierkv.daemon.blockstore import BlockStore
 
 log = logging.getLogger("tierkv.daemon.samples")
-_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions")
 
 
-def take_sample(store: BlockStore) -> dict[str, Any]:
+def take_sample(store: BlockStore) -> dict[str, object]:
     """One sample of a :class:`~tierkv.daemon.blockstore.BlockStore`: wall time, per tier used/capacity
     bytes and counters, bytes moved per link, and the blocks fetches got from any tier (``served``)."""
     tiers: dict[str, dict[str, int]] = {}
     for name, counters, used, capacity in store.snapshots.tier_figures():
-        d = {"used": int(used), "capacity": int(capacity)}
-        d.update({c: int(getattr(counters, c)) for c in _COUNTERS})
-        tiers[name] = d
+        tiers[name] = {"used": int(used), "capacity": int(capacity), "hits": int(counters.hits),
+                       "misses": int(counters.misses), "bytes_in": int(counters.bytes_in),
+                       "bytes_out": int(counters.bytes_out), "evictions": int(counters.evictions)}
     links = {k: int(v) for k, v in dict(store.engine.book.link_bytes).items()}
     if store.remote is not None:
         links["host->remote"] = int(store.m.remote.stats.bytes_in)
@@ -41,7 +39,7 @@ class SampleRing:
     def __init__(self, store: BlockStore, interval: float, count: int) -> None:
         self.store = store
         self.interval = interval
-        self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=count)
+        self._ring: collections.deque[dict[str, object]] = collections.deque(maxlen=count)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -67,6 +65,6 @@ class SampleRing:
             self._thread.join(timeout=2.0)
             self._thread = None
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, object]:
         """``{"interval_s", "samples": [oldest .. newest]}``."""
         return {"interval_s": self.interval, "samples": list(self._ring)}

@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Protocol
 
 from tierkv.cache.block import Session
 from tierkv.core import protocol
@@ -31,6 +32,16 @@ from tierkv.daemon.handlers import SENT, Handlers
 from tierkv.daemon.samples import SampleRing
 
 log = logging.getLogger("tierkv.daemon.server")
+
+
+class Observer(Protocol):
+    """What the dispatch loop uses of :class:`tierkv.daemon.metrics.Metrics` (imported only when served)."""
+
+    def observe(self, op: int, seconds: float) -> None:
+        """Record one request's latency."""
+
+    def close(self) -> None:
+        """Stop serving."""
 _UCRED = struct.Struct("3i")
 
 
@@ -70,7 +81,7 @@ class Server:
         self._signals = 0
         self.started = time.time()
         self.requests = 0
-        self.metrics: Any = None   # tierkv.daemon.metrics.Metrics while /metrics is served
+        self.metrics: Observer | None = None   # tierkv.daemon.metrics.Metrics while /metrics is served
         self.samples: SampleRing | None = None  # behind `tierkv stats --plot`
         self._pids: dict[int, int] = {}  # session id -> the client's pid (SO_PEERCRED)
         self._handlers = Handlers(self).by_opcode()
@@ -127,8 +138,9 @@ class Server:
                 token = read_token(sc.control_token_file) if sc.control_token_file else None
             except ValueError as exc:
                 raise TierKVError(str(exc)) from None
-            self.metrics = Metrics(self, Control(self.store, token))
-            host, port = self.metrics.serve(sc.metrics_addr)
+            metrics = Metrics(self, Control(self.store, token))
+            host, port = metrics.serve(sc.metrics_addr)
+            self.metrics = metrics
             print(f"tierkv: metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
 
     def _accept_loop(self) -> None:
@@ -183,7 +195,7 @@ class Server:
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def handler(signum: int, _frame: Any) -> None:
+        def handler(signum: int, _frame: FrameType | None) -> None:
             self._signals += 1
             if self._signals > 1:
                 os._exit(1)  # second signal: the operator wants out now
@@ -248,7 +260,7 @@ class Server:
                 self.store.sessions.close(session)
             conn.close()
 
-    def _dispatch(self, conn: socket.socket, s: Session, op: int, rid: int, body: Any) -> None:
+    def _dispatch(self, conn: socket.socket, s: Session, op: int, rid: int, body: object) -> None:
         try:
             entry = self._handlers.get(op)
             if entry is None:

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from tierkv.cache.block import Block
 from tierkv.core.keys import FINGERPRINT_BYTES
 from tierkv.core.layout import Layout
 from tierkv.movers.engine import Job, Move
 
+R = TypeVar("R")  # what a transfer reports per block (a Move or a Copy)
 
-def moves(blocks: Sequence[Block], view: Callable[[int, int], Any], layout: Callable[[Block], Layout]) -> list[Move]:
+
+def moves(blocks: Sequence[Block], view: Callable[[int, int], npt.NDArray[np.uint8]], layout: Callable[[Block], Layout]) -> list[Move]:
     """One move per block: its LMDB key, its host slot and what identifies its bytes.
 
     Args:
@@ -30,7 +35,7 @@ def moves(blocks: Sequence[Block], view: Callable[[int, int], Any], layout: Call
     return out
 
 
-def completion(lock: threading.Condition, blocks: Sequence[Block], each: Callable[[Block, Any], None], *,
+def completion(lock: threading.Condition, blocks: Sequence[Block], each: Callable[[Block, R], None], *,
                locked: Callable[[Job], None] | None = None,
                after: Callable[[Job], None] | None = None) -> Callable[[Job], None]:
     """A transfer's completion callback: under the lock, ``each(block, result)`` for every block, then

@@ -4,7 +4,6 @@ usage and counters, namespaces, and the transfer engine's links."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from tierkv.cache.admission import Admission
 from tierkv.cache.counters import TierCounters
@@ -37,7 +36,7 @@ class Snapshots:
         self.remote_counters = m.remote.stats
         self.remote_info: tuple[float, dict | None] = (0.0, None)  # (when, remote server memory)
 
-    def store(self) -> dict[str, Any]:
+    def store(self) -> dict[str, object]:
         """Leases, lookup index, health, tiers (hottest first), namespaces and transfers."""
         with self.ctx.lock:
             tiers = self._local_tiers()

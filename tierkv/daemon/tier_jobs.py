@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
 
 from tierkv.cache.block import Block, LoadSignal
 from tierkv.cache.costmodel import CostModel
@@ -255,7 +255,7 @@ class TierJobs:
         if ev is not None:
             ev.set()
 
-    def _observe(self, tier: str) -> Any:
+    def _observe(self, tier: str) -> Callable[[Job], None]:
         """A load's settle step that feeds its measured rate to the store's cost model."""
         def observe(job: Job) -> None:
             got = sum(m.view.nbytes for m in job.moves if m.ok)
@@ -264,7 +264,7 @@ class TierJobs:
         return observe
 
 
-def ready_after(b: Block, ev: LoadSignal | None) -> Any:
+def ready_after(b: Block, ev: LoadSignal | None) -> Callable[[], bool]:
     """For a copy out of ``b``'s host slot: wait until a load into that slot finished; False if it failed."""
     def ready() -> bool:
         if ev is not None:

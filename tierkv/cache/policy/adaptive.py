@@ -23,11 +23,13 @@ O(1) per event).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from tierkv.cache.policy.attention import AttentionPolicy
-from tierkv.cache.policy.base import Setting, register
+from tierkv.cache.policy.base import Clock, Setting, register
+from tierkv.cache.reuse.history import History
 
 
 @register
@@ -47,14 +49,18 @@ class AdaptivePolicy(AttentionPolicy):
                                min=0.0),
     }
 
+    def __init__(self, *, clock: Clock = time.monotonic, cost_fn: Callable[[Hashable, int], float] | None = None,
+                 history: History | None = None, reuse: Callable[[Hashable], float] | None = None,
+                 **kwargs: object) -> None:
+        self._parts: dict[Hashable, tuple[float, float, float, float, float]] = {}
+        self._ghost: OrderedDict[Hashable, tuple[int, float]] = OrderedDict()  # key -> (class, evicted at)
+        self._back = [0.0, 0.0]
+        self._gone = [0.0, 0.0]
+        self._since = 0
+        super().__init__(clock=clock, cost_fn=cost_fn, history=history, reuse=reuse, **kwargs)
+
     def _settings_changed(self) -> None:
-        if not hasattr(self, "_parts"):
-            self._parts: dict[Hashable, tuple[float, float, float, float, float]] = {}
-            self._ghost: OrderedDict[Hashable, tuple[int, float]] = OrderedDict()  # key -> (class, evicted at)
-            self._back = [0.0, 0.0]
-            self._gone = [0.0, 0.0]
-            self._since = 0
-        self.weight = self._settings["freq_weight"]
+        self.weight = self._settings.number("freq_weight")
         self._applied = self.weight
         super()._settings_changed()
 
@@ -75,14 +81,14 @@ class AdaptivePolicy(AttentionPolicy):
 
     def _outcome(self, cls: int, returned: bool) -> None:
         s = self._settings
-        keep = 1.0 - 1.0 / s["window"]
+        keep = 1.0 - 1.0 / s.number("window")
         for c in (0, 1):
             self._back[c] *= keep
             self._gone[c] *= keep
         (self._back if returned else self._gone)[cls] += 1.0
         once, reused = self.rates()
-        step = s["adapt_step"] * (reused - once) / (reused + once)
-        self.weight = min(max(self.weight + step, s["weight_min"]), s["weight_max"])
+        step = s.number("adapt_step") * (reused - once) / (reused + once)
+        self.weight = min(max(self.weight + step, s.number("weight_min")), s.number("weight_max"))
         self._since += 1
         if abs(self.weight - self._applied) >= 0.05 and self._since * 8 >= len(self._size):
             self._reweigh()
@@ -106,7 +112,7 @@ class AdaptivePolicy(AttentionPolicy):
         if key in self._last_victims and key in self._size:
             rec = self.history.get(key)
             self._ghost[key] = (int(rec is not None and rec.count >= 2), self.clock())
-            limit = max(16, int(self._settings["ghost_ratio"] * len(self._size)))
+            limit = max(16, int(self._settings.number("ghost_ratio") * len(self._size)))
             while len(self._ghost) > limit:
                 old, (cls, t) = self._ghost.popitem(last=False)
                 # a block used again in another tier (a disk victim recomputed into host) returned too

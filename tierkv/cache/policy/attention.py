@@ -43,11 +43,11 @@ the policies of all tiers, so heat survives demotion and re-fetch.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any
 
-from tierkv.cache.policy.base import HeapPolicy, Protected, Setting, never, register, walk_victims
+from tierkv.cache.policy.base import Clock, HeapPolicy, Protected, Setting, never, register, walk_victims
 from tierkv.cache.policy.chains import walk_tails_in_order
 from tierkv.cache.policy.lru import LRUPolicy
 from tierkv.cache.policy.shadow import Shadow
@@ -75,6 +75,7 @@ class AttentionPolicy(HeapPolicy):
     """
 
     name = "attention"
+    HOOKS = frozenset({"cost_fn", "history", "reuse"})
     SETTINGS = {
         "half_life_s": Setting(600.0, "seconds for the use frequency F to halve (0 = no decay)", min=0.0),
         "freq_cap": Setting(0.0, "upper bound on F in the score (0 = none)", min=0.0),
@@ -103,9 +104,9 @@ class AttentionPolicy(HeapPolicy):
                             "coin's to take over", min=0.0, max=10.0),
     }
 
-    def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None,
+    def __init__(self, *, clock: Clock = time.monotonic, cost_fn: Callable[[Hashable, int], float] | None = None,
                  history: History | None = None, reuse: Callable[[Hashable], float] | None = None,
-                 **kwargs: Any) -> None:
+                 **kwargs: object) -> None:
         self.cost_fn = cost_fn
         self.reuse = reuse
         self.history = history if history is not None else History()
@@ -126,42 +127,40 @@ class AttentionPolicy(HeapPolicy):
         # A tier below another sees only part of the uses: its shadow is fed by ``referenced``.
         self.shadow_on_requests = False
         self._ref_size = 1  # the size ``referenced`` gives a key this tier does not hold
-        super().__init__(**kwargs)
+        super().__init__(clock=clock, **kwargs)
 
     def _settings_changed(self) -> None:
         s = self._settings
-        old = getattr(self, "tails_first", None)
-        self.tails_first = s["tails_first"]
+        self.tails_first = bool(s.number("tails_first"))
         self._make_shadow()
         scored = dict(self._scored) if self.tau else {}  # under idle aging a re-score keeps the idle time
-        if not s["idle_aging"]:
+        if not s.number("idle_aging"):
             self.tau, self._idle = 0.0, _IDLE_START_S
             self._scored.clear()
             self._p.clear()
         else:
-            self.tau = max(_TAU_MIN_S, s["idle_aging"] * self._idle)
-        if old is not None and hasattr(self, "_mass"):
-            for key in self._size:  # weights changed: re-score every resident block
-                self._scored_at = scored.get(key, (0.0, None))[1] if self.tau else None
-                self._rescore(key)
-            self._scored_at = None
-            self._compact()
+            self.tau = max(_TAU_MIN_S, s.number("idle_aging") * self._idle)
+        for key in self._size:  # weights changed: re-score every resident block
+            self._scored_at = scored.get(key, (0.0, None))[1] if self.tau else None
+            self._rescore(key)
+        self._scored_at = None
+        self._compact()
 
     def _make_shadow(self) -> None:
         """(Re)build the shadow when its settings changed; it starts empty."""
         s = self._settings
-        key = (s["shadow_rate"], s["shadow_window"], s["shadow_z"])
+        key = (s.number("shadow_rate"), s.number("shadow_window"), s.number("shadow_z"))
         if key == self._shadow_key:
             return
         self._shadow_key = key
-        if not s["shadow_rate"]:
+        if not s.number("shadow_rate"):
             self.shadow = None
             return
         copy = type(self)(clock=self.clock, cost_fn=self.cost_fn, history=self.history,
                           reuse=self._shadow_reuse, **{**s, "shadow_rate": 0.0})
         copy._counts_uses = False
-        self.shadow = Shadow([copy, LRUPolicy(clock=self.clock)], s["shadow_rate"], s["shadow_window"],
-                             s["shadow_z"])
+        self.shadow = Shadow([copy, LRUPolicy(clock=self.clock)], s.number("shadow_rate"), s.number("shadow_window"),
+                             s.number("shadow_z"))
 
     def _shadow_reuse(self, key: Hashable) -> float:
         """The reuse factor the shadow's copy of the score reads: this policy's, whenever it is set."""
@@ -178,38 +177,38 @@ class AttentionPolicy(HeapPolicy):
         if self.cost_fn is not None:
             return float(self.cost_fn(key, size))
         s = self._settings
-        tokens = s["block_tokens"]
+        tokens = s.number("block_tokens")
         depth = rec.depth if rec is not None else 0
-        recompute = tokens / s["prefill_tokens_per_s"]
-        if s["attn_double_tokens"] > 0:
-            recompute *= 1.0 + (depth + 0.5) * tokens / s["attn_double_tokens"]
-        if s["fetch_bytes_per_s"] > 0:
-            return min(recompute, size / s["fetch_bytes_per_s"] + s["fetch_latency_s"])
+        recompute = tokens / s.number("prefill_tokens_per_s")
+        if s.number("attn_double_tokens") > 0:
+            recompute *= 1.0 + (depth + 0.5) * tokens / s.number("attn_double_tokens")
+        if s.number("fetch_bytes_per_s") > 0:
+            return min(recompute, size / s.number("fetch_bytes_per_s") + s.number("fetch_latency_s"))
         return recompute
 
     def _rescore(self, key: Hashable) -> None:
         s = self._settings
         now = self.clock() if self._scored_at is None else self._scored_at
         rec = self.history.record(key, now)
-        f = decayed(rec, now, s["half_life_s"])
-        if s["freq_cap"] > 0:
-            f = min(f, s["freq_cap"])
-        if s["freq_shape"] == "log":
+        f = decayed(rec, now, s.number("half_life_s"))
+        if s.number("freq_cap") > 0:
+            f = min(f, s.number("freq_cap"))
+        if s.text("freq_shape") == "log":
             f = 1.0 + math.log2(max(f, 1.0))
         extra = 0.0
         mass = self._mass.get(key)
-        if mass is not None and s["gamma"]:
+        if mass is not None and s.number("gamma"):
             a, t = mass
-            if s["attn_half_life_s"] > 0:
-                a *= 2.0 ** (-max(now - t, 0.0) / s["attn_half_life_s"])
-            extra = s["gamma"] * a
+            if s.number("attn_half_life_s") > 0:
+                a *= 2.0 ** (-max(now - t, 0.0) / s.number("attn_half_life_s"))
+            extra = s.number("gamma") * a
         p = 1.0
         if self.reuse is not None:
             raw = self.reuse(key)
             if self.tau:
                 self._p[key] = raw
-            if s["reuse_weight"]:
-                p = raw ** s["reuse_weight"]
+            if s.number("reuse_weight"):
+                p = raw ** s.number("reuse_weight")
         size = self._size[key]
         cost = self.miss_cost(key, size, rec) * _MIB / max(size, 1)
         self._set_priority(key, self._combine(key, f, self._branch_sharers(key, rec), extra, p, cost))
@@ -218,13 +217,13 @@ class AttentionPolicy(HeapPolicy):
         """The factors ``B`` and ``R`` of the score."""
         s, b, r = self._settings, 1.0, 1.0
         parent = self._parent.get(key)
-        if parent is not None and s["branch_weight"] > 0:
+        if parent is not None and s.number("branch_weight") > 0:
             prec = self.history.get(parent)
             if prec is not None and prec.count > rec.count > 0:
-                b = (rec.count / prec.count) ** s["branch_weight"]
+                b = (rec.count / prec.count) ** s.number("branch_weight")
         sharers = self._sharers.get(key, 0)
-        if sharers and s["beta"]:
-            r = 1.0 + s["beta"] * math.log2(1 + sharers)
+        if sharers and s.number("beta"):
+            r = 1.0 + s.number("beta") * math.log2(1 + sharers)
         return b, r
 
     def _combine(self, key: Hashable, freq: float, br: tuple[float, float], extra: float, p: float,
@@ -257,7 +256,7 @@ class AttentionPolicy(HeapPolicy):
         if scored is None:
             return
         self._idle += _IDLE_WEIGHT * (self.clock() - scored[1] - self._idle)
-        tau = max(_TAU_MIN_S, self._settings["idle_aging"] * self._idle)
+        tau = max(_TAU_MIN_S, self._settings.number("idle_aging") * self._idle)
         if abs(tau - self.tau) > _TAU_STEP * self.tau:
             self.tau = tau
             prio = self._prio
@@ -295,7 +294,7 @@ class AttentionPolicy(HeapPolicy):
     def on_access(self, key: Hashable) -> None:
         if key in self._size:
             if self._counts_uses:
-                self.history.use(key, self.clock(), self._settings["half_life_s"])
+                self.history.use(key, self.clock(), self._settings.number("half_life_s"))
             self._rescore(key)
             self._recent.move_to_end(key)
             shadow = self.shadow
@@ -355,8 +354,8 @@ class AttentionPolicy(HeapPolicy):
         if not math.isfinite(mass) or mass < 0:
             raise ValueError(f"attention mass must be a finite number >= 0, got {mass!r}")
         now, old = self.clock(), self._mass.get(key)
-        if old is not None and self._settings["attn_half_life_s"] > 0:
-            w = 2.0 ** (-max(now - old[1], 0.0) / self._settings["attn_half_life_s"])
+        if old is not None and self._settings.number("attn_half_life_s") > 0:
+            w = 2.0 ** (-max(now - old[1], 0.0) / self._settings.number("attn_half_life_s"))
             mass = w * old[0] + (1.0 - w) * mass
         self._mass[key] = (mass, now)
         self._rescore(key)

@@ -23,9 +23,9 @@ import itertools
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 from tierkv.cache.policy.shadow import Shadow
 
@@ -39,22 +39,51 @@ def never(_key: Hashable) -> bool:
     return False
 
 
+Value = bool | int | float | str  # a setting's value, of its default's type
+
+
+class Values(dict[str, Value]):
+    """Settings by name (each checked by its :class:`Setting`), read by their type."""
+
+    def number(self, name: str) -> float:
+        """A numeric setting (a flag reads as 0 or 1)."""
+        value = self[name]
+        if isinstance(value, str):
+            raise TypeError(f"setting {name!r} is text, not a number")
+        return value
+
+    def count(self, name: str) -> int:
+        """An integer setting."""
+        value = self[name]
+        if not isinstance(value, int):
+            raise TypeError(f"setting {name!r} is not an integer")
+        return value
+
+    def text(self, name: str) -> str:
+        """A text setting."""
+        value = self[name]
+        if not isinstance(value, str):
+            raise TypeError(f"setting {name!r} is not text")
+        return value
+
+
 @dataclass(frozen=True)
 class Setting:
     """One tunable value of a policy: its default, type, bounds and meaning."""
 
-    default: Any
+    default: Value
     doc: str
     min: float | None = None
     max: float | None = None
-    choices: tuple[Any, ...] | None = None
+    choices: tuple[Value, ...] | None = None
 
-    def coerce(self, name: str, value: Any) -> Any:
+    def coerce(self, name: str, value: object) -> Value:
         """Return ``value`` converted to this setting's type, or raise ``ValueError``.
 
         Strings are accepted (they come from ``tierkv tune KEY=VALUE`` and the CLI).
         """
         kind = type(self.default)
+        out: Value
         try:
             if kind is bool:
                 if isinstance(value, str):
@@ -64,34 +93,37 @@ class Setting:
                     value = low in ("1", "true", "yes", "on")
                 elif not isinstance(value, (bool, int)):
                     raise ValueError(value)
-                value = bool(value)
+                out = bool(value)
             elif kind is int:
                 if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                     raise ValueError(value)
-                value = int(value)
+                if not isinstance(value, (int, float, str)):
+                    raise TypeError(value)
+                out = int(value)
             elif kind is float:
-                if isinstance(value, bool):
+                if isinstance(value, bool) or not isinstance(value, (int, float, str)):
                     raise ValueError(value)
-                value = float(value)
-                if math.isnan(value):
+                out = float(value)
+                if math.isnan(out):
                     raise ValueError(value)
             else:
-                value = str(value)
+                out = str(value)
         except (TypeError, ValueError):
             raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}") from None
-        if self.min is not None and value < self.min:
-            raise ValueError(f"{name}: {value!r} is below the minimum {self.min}")
-        if self.max is not None and value > self.max:
-            raise ValueError(f"{name}: {value!r} is above the maximum {self.max}")
-        if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{name}: {value!r} is not one of {', '.join(map(str, self.choices))}")
-        return value
+        if not isinstance(out, str):
+            if self.min is not None and out < self.min:
+                raise ValueError(f"{name}: {out!r} is below the minimum {self.min}")
+            if self.max is not None and out > self.max:
+                raise ValueError(f"{name}: {out!r} is above the maximum {self.max}")
+        if self.choices is not None and out not in self.choices:
+            raise ValueError(f"{name}: {out!r} is not one of {', '.join(map(str, self.choices))}")
+        return out
 
 
-def checked_settings(specs: dict[str, Setting], current: dict[str, Any], updates: dict[str, Any],
-                     owner: str) -> dict[str, Any]:
+def checked_settings(specs: dict[str, Setting], current: Mapping[str, Value], updates: Mapping[str, object],
+                     owner: str) -> Values:
     """``current`` with ``updates`` coerced by ``specs``; an unknown key or bad value raises ``ValueError``."""
-    new = dict(current)
+    new = Values(current)
     for key, value in updates.items():
         spec = specs.get(key)
         if spec is None:
@@ -123,6 +155,8 @@ class Policy(ABC, Generic[K]):
     the keys its tier gives it."""
 
     name: ClassVar[str] = ""
+    oracle: ClassVar[bool] = False  # needs the future (the simulator's next uses): replay only
+    HOOKS: ClassVar[frozenset[str]] = frozenset()  # what it takes besides settings (cost_fn, history, ...)
     SETTINGS: ClassVar[dict[str, Setting]] = {}
     # What the store reads of every policy; the attention family sets them, the others keep these.
     shadow: Shadow | None = None  # the recency shadow that may take the order over (None: none)
@@ -130,9 +164,9 @@ class Policy(ABC, Generic[K]):
     tau: float = 0.0  # idle aging's half-life in seconds (0: off)
     reuse: Callable[[Hashable], float] | None = None  # the reuse model that weighs blocks (None: none)
 
-    def __init__(self, *, clock: Clock = time.monotonic, **settings: Any) -> None:
+    def __init__(self, *, clock: Clock = time.monotonic, **settings: object) -> None:
         self.clock = clock
-        self._settings: dict[str, Any] = {k: s.default for k, s in self.SETTINGS.items()}
+        self._settings = Values({k: s.default for k, s in self.SETTINGS.items()})
         self.update(**settings)
 
     # -- membership ---------------------------------------------------------------------------
@@ -190,11 +224,11 @@ class Policy(ABC, Generic[K]):
         """Live leases plus prefix children of a block changed to ``sharers``."""
 
     # -- settings -----------------------------------------------------------------------------
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> Values:
         """The effective settings (a copy)."""
-        return dict(self._settings)
+        return Values(self._settings)
 
-    def update(self, **settings: Any) -> None:
+    def update(self, **settings: object) -> None:
         """Change settings at run time; a bad key or value raises ``ValueError`` and changes nothing."""
         self._settings = checked_settings(self.SETTINGS, self._settings, settings, f"policy {self.name!r}")
         self._settings_changed()
@@ -217,7 +251,7 @@ class HeapPolicy(Policy):
 
     tails_first = False  # a subclass's setting may change it per instance
 
-    def __init__(self, *, clock: Clock = time.monotonic, **settings: Any) -> None:
+    def __init__(self, *, clock: Clock = time.monotonic, **settings: object) -> None:
         self._size: dict[Hashable, int] = {}
         self._prio: dict[Hashable, float] = {}
         self._ver: dict[Hashable, int] = {}
@@ -388,9 +422,9 @@ def policy_class(name: str) -> type[Policy]:
 def policy_names(*, oracles: bool = False) -> list[str]:
     """Names of the built-in policies; ``oracles`` adds simulator-only ones (``opt``)."""
     _load_all()
-    return [n for n, c in _REGISTRY.items() if oracles or not getattr(c, "oracle", False)]
+    return [n for n, c in _REGISTRY.items() if oracles or not c.oracle]
 
 
-def make_policy(name: str, *, clock: Clock = time.monotonic, **settings: Any) -> Policy:
+def make_policy(name: str, *, clock: Clock = time.monotonic, **settings: object) -> Policy:
     """Build the policy registered as ``name`` with ``settings`` (bad ones raise ``ValueError``)."""
     return policy_class(name)(clock=clock, **settings)

@@ -3,10 +3,10 @@ runs in the simulator, as the ceiling the real policies are compared with."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
-from typing import Any
 
-from tierkv.cache.policy.base import HeapPolicy, register
+from tierkv.cache.policy.base import Clock, HeapPolicy, register
 
 
 @register
@@ -15,13 +15,15 @@ class BeladyPolicy(HeapPolicy):
     increasing unit; ``math.inf`` for never) as of the latest ``on_insert``/``on_access`` of it."""
 
     name = "opt"
+    HOOKS = frozenset({"next_use"})
     oracle = True
 
-    def __init__(self, *, next_use: Callable[[Hashable], float] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, clock: Clock = time.monotonic, next_use: Callable[[Hashable], float] | None = None,
+                 **kwargs: object) -> None:
         if next_use is None:
             raise ValueError("the opt policy needs next_use (it is only available in the simulator)")
         self.next_use = next_use
-        super().__init__(**kwargs)
+        super().__init__(clock=clock, **kwargs)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         self.on_remove(key)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
-from typing import Any
 
-from tierkv.cache.policy.base import HeapPolicy, Setting, register
+from tierkv.cache.policy.base import Clock, HeapPolicy, Setting, register
 
 _MIB = float(1 << 20)
 
@@ -17,19 +17,21 @@ class GDSFPolicy(HeapPolicy):
     priority of the last evicted block, so blocks not used for a while fall below newcomers."""
 
     name = "gdsf"
+    HOOKS = frozenset({"cost_fn"})
     SETTINGS = {
         "cost": Setting(1.0, "miss cost of a block when no cost_fn is given", min=0.0),
     }
 
-    def __init__(self, *, cost_fn: Callable[[Hashable, int], float] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, clock: Clock = time.monotonic, cost_fn: Callable[[Hashable, int], float] | None = None,
+                 **kwargs: object) -> None:
         self.cost_fn = cost_fn
         self._freq: dict[Hashable, int] = {}
-        super().__init__(**kwargs)
+        super().__init__(clock=clock, **kwargs)
 
     def _bump(self, key: Hashable) -> None:
         f = self._freq[key] = self._freq.get(key, 0) + 1
         size = self._size[key]
-        cost = self.cost_fn(key, size) if self.cost_fn else self._settings["cost"]
+        cost = self.cost_fn(key, size) if self.cost_fn else self._settings.number("cost")
         self._set_priority(key, self.level + f * cost * _MIB / max(size, 1))
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:

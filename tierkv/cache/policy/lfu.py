@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Hashable
-from typing import Any
 
-from tierkv.cache.policy.base import HeapPolicy, Setting, register
+from tierkv.cache.policy.base import Clock, HeapPolicy, Setting, register
 
 
 @register
@@ -23,18 +23,18 @@ class LFUPolicy(HeapPolicy):
         "half_life_s": Setting(300.0, "seconds for an access count to halve (0 = no aging)", min=0.0),
     }
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, clock: Clock = time.monotonic, **kwargs: object) -> None:
         self._freq: dict[Hashable, float] = {}
         self._t: dict[Hashable, float] = {}
-        super().__init__(**kwargs)
+        super().__init__(clock=clock, **kwargs)
 
     def _score(self, key: Hashable) -> float:
-        tau = self._settings["half_life_s"]
+        tau = self._settings.number("half_life_s")
         f = self._freq[key]
         return math.log2(f) + self._t[key] / tau if tau > 0 else f
 
     def _bump(self, key: Hashable, add: float) -> None:
-        now, tau = self.clock(), self._settings["half_life_s"]
+        now, tau = self.clock(), self._settings.number("half_life_s")
         f = self._freq.get(key, 0.0)
         if f and tau > 0:
             f *= 2.0 ** (-(now - self._t[key]) / tau)
@@ -56,6 +56,6 @@ class LFUPolicy(HeapPolicy):
         self._t.pop(key, None)
 
     def _settings_changed(self) -> None:
-        if getattr(self, "_freq", None):
+        if self._freq:
             for key in self._size:
                 self._set_priority(key, self._score(key))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Any
 
-from tierkv.cache.policy.base import Policy, Protected, never, register, walk_victims
+from tierkv.cache.policy.base import Clock, Policy, Protected, never, register, walk_victims
 
 
 @register
@@ -16,9 +16,9 @@ class LRUPolicy(Policy):
 
     name = "lru"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, clock: Clock = time.monotonic, **kwargs: object) -> None:
         self._order: OrderedDict[Hashable, int] = OrderedDict()  # key -> size, coldest first
-        super().__init__(**kwargs)
+        super().__init__(clock=clock, **kwargs)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         if size < 0:

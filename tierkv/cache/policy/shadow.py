@@ -28,7 +28,10 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierkv.cache.policy.base import Policy
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -108,7 +111,7 @@ class Contest:
             self.leader = best
             self.switches += 1
 
-    def snapshot_of(self, leader: str) -> dict[str, Any]:
+    def snapshot_of(self, leader: str) -> dict[str, object]:
         """The leader (named ``leader``), the decayed hit and win counts and how often the leader changed
         (for ``tierkv stats``)."""
         return {"leader": leader, "hits": [round(h, 1) for h in self.hits],
@@ -126,7 +129,7 @@ class Shadow(Contest):
         z: standard deviations by which another order's lead over the leader must pass a coin's.
     """
 
-    def __init__(self, orders: Sequence[Any], rate: float, window: float = 20000.0, z: float = 2.0) -> None:
+    def __init__(self, orders: Sequence[Policy[Hashable]], rate: float, window: float = 20000.0, z: float = 2.0) -> None:
         super().__init__(len(orders), rate, window, z)
         self.orders = list(orders)
         self.used = [0] * len(self.orders)
@@ -158,6 +161,6 @@ class Shadow(Contest):
             self.used[i] -= self._sizes[i].pop(v)
             order.on_remove(v)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, object]:
         """The leader, the decayed hit counts and how often the leader changed (for ``tierkv stats``)."""
         return self.snapshot_of(self.orders[self.leader].name)

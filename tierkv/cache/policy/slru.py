@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Any
 
-from tierkv.cache.policy.base import Policy, Protected, Setting, never, register, walk_victims
+from tierkv.cache.policy.base import Clock, Policy, Protected, Setting, never, register, walk_victims
 
 
 @register
@@ -23,14 +23,14 @@ class SLRUPolicy(Policy):
                                       min=0.0, max=1.0),
     }
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, clock: Clock = time.monotonic, **kwargs: object) -> None:
         self._prob: OrderedDict[Hashable, int] = OrderedDict()
         self._prot: OrderedDict[Hashable, int] = OrderedDict()
         self._uses: dict[Hashable, int] = {}
         self._prot_bytes = 0
         self._bytes = 0
         self._peak = 0
-        super().__init__(**kwargs)
+        super().__init__(clock=clock, **kwargs)
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         if size < 0:
@@ -55,7 +55,7 @@ class SLRUPolicy(Policy):
             self._rebalance()
 
     def _rebalance(self) -> None:
-        limit = self._settings["protected_fraction"] * self._peak
+        limit = self._settings.number("protected_fraction") * self._peak
         while self._prot_bytes > limit and self._prot:
             key, size = self._prot.popitem(last=False)
             self._prot_bytes -= size
@@ -75,8 +75,7 @@ class SLRUPolicy(Policy):
         return walk_victims([self._prob.items(), self._prot.items()], nbytes, protected)
 
     def _settings_changed(self) -> None:
-        if hasattr(self, "_prot"):
-            self._rebalance()
+        self._rebalance()
 
     def __len__(self) -> int:
         return len(self._prob) + len(self._prot)

@@ -26,9 +26,8 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
-from tierkv.cache.policy.base import Setting, checked_settings
+from tierkv.cache.policy.base import Setting, Values, checked_settings
 
 COUNTS_VERSION = 1  # the class encoding below; counts of another encoding are not loaded
 COUNTS_KEPT = 10_000.0
@@ -99,8 +98,8 @@ class ReuseModel:
                                 "classes (comma-separated; empty: not a class)"),
     }
 
-    def __init__(self, **settings: Any) -> None:
-        self._settings = {k: s.default for k, s in self.SETTINGS.items()}
+    def __init__(self, **settings: object) -> None:
+        self._settings = Values({k: s.default for k, s in self.SETTINGS.items()})
         self.update(**settings)
         self._rec: OrderedDict[Hashable, _Rec] = OrderedDict()
         self._ghost: OrderedDict[Hashable, int] = OrderedDict()
@@ -173,7 +172,7 @@ class ReuseModel:
         ghost = self._ghost
         ghost[key] = self.block_class(key, now)
         ghost.move_to_end(key)
-        limit = self._settings["ghost_entries"] if horizon is None else max(16, horizon)
+        limit = self._settings.number("ghost_entries") if horizon is None else max(16, horizon)
         while len(ghost) > limit:
             _, old = ghost.popitem(last=False)
             self._gone[old] = self._gone.get(old, 0.0) + 1.0
@@ -197,7 +196,7 @@ class ReuseModel:
         return twin
 
     def _trim(self) -> None:
-        recs, cap = self._rec, self._settings["max_records"]
+        recs, cap = self._rec, self._settings.number("max_records")
         while len(recs) > cap:
             recs.popitem(last=False)
 
@@ -208,7 +207,7 @@ class ReuseModel:
         if r is None:
             return 0
         uses, chain = min(r.uses, 3), r.chain
-        live = now - chain.t <= self._settings["tail_ttl_s"]
+        live = now - chain.t <= self._settings.number("tail_ttl_s")
         tail = chain.tail == key
         return chain.out * 256 + uses * 64 + (tail * 2 + live) * 8 + min(chain.length.bit_length(), 7)
 
@@ -225,7 +224,7 @@ class ReuseModel:
     def class_p(self, cls: int) -> float:
         """The learned chance that a block of class ``cls`` comes back."""
         back, gone = self._back.get(cls, 0.0), self._gone.get(cls, 0.0)
-        return (back + 2.0 * self._settings["prior"]) / (back + gone + 2.0)
+        return (back + 2.0 * self._settings.number("prior")) / (back + gone + 2.0)
 
     def is_tail(self, key: Hashable) -> bool:
         """Whether ``key`` is the tail of the chain it was last seen in (no later request extended it)."""
@@ -240,7 +239,7 @@ class ReuseModel:
         """``key -> p(key, clock())``: what a policy's ``reuse`` hook takes."""
         return lambda key: self.p(key, clock())
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, object]:
         """Counters and the learned classes."""
         classes = {str(c): round(self.class_p(c), 3) for c in sorted(set(self._back) | set(self._gone))}
         return {"returns": self.returns, "finished_requests": self.finished,
@@ -248,9 +247,9 @@ class ReuseModel:
                 "restored_counts": self.restored, "classes": classes}
 
     # -- the learned counts across restarts -----------------------------------------------------
-    def counts(self) -> dict[str, Any]:
+    def counts(self) -> dict[str, object]:
         """The learned class counts, for :meth:`load_counts` in a later run (plain msgpack-able data)."""
-        return {"version": COUNTS_VERSION, "output_edges": self._settings["output_edges"],
+        return {"version": COUNTS_VERSION, "output_edges": self._settings.text("output_edges"),
                 "back": dict(self._back), "gone": dict(self._gone)}
 
     def load_counts(self, data: object, keep: float = COUNTS_KEPT) -> bool:
@@ -258,7 +257,7 @@ class ReuseModel:
         ``keep`` departures so that this run's own ones soon weigh as much. Returns False, changing
         nothing, when they do not fit: another format or other ``output_edges``, or malformed."""
         if not isinstance(data, dict) or data.get("version") != COUNTS_VERSION \
-                or data.get("output_edges") != self._settings["output_edges"]:
+                or data.get("output_edges") != self._settings.text("output_edges"):
             return False
         back, gone = _class_counts(data.get("back")), _class_counts(data.get("gone"))
         if back is None or gone is None:
@@ -273,12 +272,12 @@ class ReuseModel:
         return True
 
     # -- settings -------------------------------------------------------------------------------
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> Values:
         """The effective settings (a copy)."""
-        return dict(self._settings)
+        return Values(self._settings)
 
-    def update(self, **settings: Any) -> None:
+    def update(self, **settings: object) -> None:
         """Change settings; a bad key or value raises ``ValueError`` and changes nothing."""
         new = checked_settings(self.SETTINGS, self._settings, settings, "reuse model")
-        self._edges = parse_edges(new["output_edges"])
+        self._edges = parse_edges(new.text("output_edges"))
         self._settings = new
