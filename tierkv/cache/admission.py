@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 from tierkv.cache.admission_shadow import AdmissionShadow
-from tierkv.cache.policy.base import Setting, Values, checked_settings
+from tierkv.cache.knobs import Setting, Values, checked_settings
 from tierkv.cache.reuse import ReuseModel
 
 MODES = ("predicted", "reused", "all", "pinned")

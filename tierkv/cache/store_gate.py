@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from tierkv.cache.policy.base import Setting, checked_settings
+from tierkv.cache.knobs import Setting, checked_settings
 
 MODES = ("predicted", "all")
 BUCKETS = 9  # position buckets: 0, 1, 2-3, 4-7, ..., 128 and beyond

@@ -28,6 +28,7 @@ from tierkv.core.prefix import parse_token_ids
 from tierkv.core.protocol import Op
 from tierkv.daemon.control import Control
 from tierkv.daemon.handlers import Served
+from tierkv.daemon.sections import parse_addr
 
 log = logging.getLogger("tierkv.daemon.metrics")
 
@@ -51,22 +52,6 @@ _TIER_COUNTERS = (
 )
 _BREAKER_STATES = ("up", "read-only", "down")
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-
-
-def parse_addr(addr: str) -> tuple[str, int]:
-    """``"9464"`` -> ``("127.0.0.1", 9464)``; ``"HOST:PORT"`` and ``"[V6]:PORT"`` as given.
-
-    Raises:
-        ValueError: not a port or HOST:PORT with a port in 1..65535.
-    """
-    text = str(addr).strip()
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", text
-    host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"server.metrics_addr: expected PORT or HOST:PORT (port 1..65535), got {addr!r}")
-    return host, int(port)
 
 
 class StatsCollector(Collector):

@@ -12,6 +12,22 @@ __all__ = ["BudgetConfig", "DiskConfig", "EventsConfig", "GpuConfig", "HostConfi
            "check_watermarks"]
 
 
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``"9464"`` -> ``("127.0.0.1", 9464)``; ``"HOST:PORT"`` and ``"[V6]:PORT"`` as given.
+
+    Raises:
+        ValueError: not a port or HOST:PORT with a port in 1..65535.
+    """
+    text = str(addr).strip()
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"server.metrics_addr: expected PORT or HOST:PORT (port 1..65535), got {addr!r}")
+    return host, int(port)
+
+
 @dataclass
 class ServerConfig:
     """The daemon process."""
@@ -72,8 +88,6 @@ class ServerConfig:
         if self.sample_interval_s < 0 or not 1 <= self.sample_count <= 1 << 20:
             raise ValueError("server.sample_interval_s must be >= 0 and server.sample_count within 1..2^20")
         if self.metrics_addr:
-            from tierkv.daemon.metrics import parse_addr
-
             parse_addr(self.metrics_addr)
 
 @dataclass

@@ -27,7 +27,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
-from tierkv.cache.policy.base import Setting, Values, checked_settings
+from tierkv.cache.knobs import Setting, Values, checked_settings
 
 COUNTS_VERSION = 1  # the class encoding below; counts of another encoding are not loaded
 COUNTS_KEPT = 10_000.0
