@@ -78,14 +78,16 @@ class Evictor:
             dirty = self.outflow.demotion(force)
             ctx.notify()
             job = self.transfers.store(dirty, background=ctx.cfg.disk.demote_idle, bounded=True) if dirty else None
-        if job is None and ctx.passes == asked:
+        waited = ctx.synchronous and ctx.passes < asked  # a synchronous store waits for this pass
+        if job is None and not waited:
             return
         if job is not None:
             job.wait()
-        with ctx.lock:  # the pass is done: a synchronous store that kicked it goes on
+        with ctx.lock:
             if job is not None:
                 self.outflow.demoted(dirty)
-            ctx.passes = max(ctx.passes, asked)
+            if ctx.synchronous:
+                ctx.passes = max(ctx.passes, asked)
             ctx.notify()
 
     def _write_behind(self) -> None:
