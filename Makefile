@@ -12,10 +12,9 @@ STAMP  := $(VENV)/.tierkv-installed
 run: setup
 	$(PY) examples/mainjob.py
 
-# TEST_WORKERS=2: two pytest workers (pytest-xdist), the modules that start vLLM's server together on one of
-# them and tests marked `exclusive` alone (tests/conftest.py); on 2 cores a few timing-bound tests still fail
-# beside the other worker, so one worker is the default.
-TEST_WORKERS ?= 1
+# Two pytest workers (pytest-xdist), each module whole on one of them, tests marked `exclusive` alone
+# (tests/conftest.py); TEST_WORKERS=1 runs the suite in one process.
+TEST_WORKERS ?= 2
 
 test: setup services
 	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)

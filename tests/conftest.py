@@ -12,24 +12,25 @@ from pathlib import Path
 
 import pytest
 
+# vLLM's CPU build binds one OpenMP thread to every core by default; a thread bound to a core that another
+# process (the daemon, the test, the other pytest worker) is using waits for it at every barrier, and a
+# forward pass then takes tens of times its time (tools/bench_vllm_threads.py). The suite's servers and
+# in-process engines run one unbound thread; benchmarks keep their own settings.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from tests.helpers import Daemon, has_cuda, start_type_check
 
 VLLM_MODULES = "tests/system/test_vllm"  # the modules that start vLLM's server
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under pytest-xdist (`make test` runs two workers): the tests that start vLLM's server run on one
-    worker, first, one module after another (two servers at once would each spin their OpenMP threads on
-    both cores); the other worker takes the other modules, each whole, as it gets free."""
+    """Under pytest-xdist (`make test` runs two workers): each module runs whole on one worker, the
+    modules that start vLLM's server first (the longest), in collection order."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class VllmOnOneWorker(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "vllm" if module.startswith(VLLM_MODULES) else module
-
     config.option.loadscopereorder = False  # collection order: vLLM's modules first (below)
-    return VllmOnOneWorker(config, log)
+    return LoadScopeScheduling(config, log)
 
 
 @contextlib.contextmanager

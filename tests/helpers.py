@@ -232,6 +232,26 @@ def quiet_sample(pid: int, polls: int = 3, step: float = 0.05, timeout: float = 
     return last
 
 
+def shm_held_by(pid: int) -> set[str]:
+    """The /dev/shm entries process ``pid`` maps or holds open (the daemon shares memory through memfds,
+    so it holds none; other tests' vLLM servers, beside it under pytest-xdist, hold theirs)."""
+    held: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            held |= {line.split("/dev/shm/", 1)[1].split(" ")[0].strip() for line in maps if "/dev/shm/" in line}
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return held  # the process is gone
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("/dev/shm/"):
+            held.add(target[len("/dev/shm/"):])
+    return held
+
+
 def settled_stats(c: tierkv.Client, polls: int = 3, step: float = 0.1, timeout: float = 30.0) -> dict:
     """``c.stats()`` once the daemon's background work has ended: each tier's blocks, evictions and
     bytes in and the transfers in flight hold still for ``polls`` polls (the evictor goes on freeing host

@@ -18,7 +18,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from tests.helpers import FAST_ENV, REPO, SMALL, RawClient, _send_and_close, wait_for
+from tests.helpers import FAST_ENV, REPO, SMALL, RawClient, _send_and_close, shm_held_by, wait_for
 from tierkv.core import protocol
 from tierkv.core.errors import PermissionDenied, TierKVError
 from tierkv.core.keys import Namespace
@@ -249,7 +249,6 @@ def _fd_links(pid: int) -> list[str]:
 
 
 def test_no_network_listener_and_a_sealed_memfd_pool(daemon_factory):
-    shm_before = set(os.listdir("/dev/shm"))
     d = daemon_factory(env=FAST_ENV)
     rc = RawClient(d.socket)
     try:
@@ -265,7 +264,8 @@ def test_no_network_listener_and_a_sealed_memfd_pool(daemon_factory):
         # the daemon's sockets are all Unix sockets
         socks = {link[8:-1] for link in _fd_links(d.proc.pid) if link.startswith("socket:[")}
         assert socks and not socks & _inet_inodes()
-        assert set(os.listdir("/dev/shm")) == shm_before  # no named shared memory
+        assert shm_held_by(d.proc.pid) == set()  # no named shared memory
+        assert not [n for n in os.listdir("/dev/shm") if n.lower().startswith("tierkv")]
     finally:
         rc.close()
 

@@ -6,7 +6,6 @@ long versions are tools/crashloop.py (50 kill -9 loops) and tools/soak.py.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -25,7 +24,7 @@ import torch
 from click.testing import CliRunner
 
 import tierkv
-from tests.helpers import FAST_ENV, SMALL, RawClient, block_values, quiet_sample, wait_for
+from tests.helpers import FAST_ENV, SMALL, RawClient, block_values, quiet_sample, shm_held_by, wait_for
 from tierkv.client.admin import request
 from tierkv.codecs import CodecError, decode_block, encode_block
 from tierkv.codecs.container import _FIXED, _HASH, FORMAT_VERSION, MAGIC
@@ -95,37 +94,18 @@ def _durable_writer(sock: str, tag: str, acked: list, attempted: set, lock: thre
         c.close()
 
 
-def _in_use_shm() -> set[str]:
-    """The /dev/shm entries a live process maps or holds open (another test's processes, beside this one
-    under pytest-xdist, have theirs): what a killed daemon left behind is in no one's hands."""
-    held = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            held |= {line.split("/dev/shm/", 1)[1].split(" ")[0].strip()
-                     for line in open(f"/proc/{pid}/maps") if "/dev/shm/" in line}
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("/dev/shm/"):
-                        held.add(target[len("/dev/shm/"):])
-    return held
-
-
 def _litter(d) -> set[str]:
-    """Every name a daemon (or anything it started) could leave behind: /dev/shm entries no live process
-    holds, its socket's directory, and its data directory."""
+    """Every name a killed daemon could leave behind besides shared memory (checked by name and by what it
+    held): its socket's directory and its data directory."""
     data = {str(p.relative_to(d.data_dir)) for p in Path(d.data_dir).rglob("*")}
-    shm = set(os.listdir("/dev/shm"))
-    if shm:
-        shm -= _in_use_shm()
-        shm &= set(os.listdir("/dev/shm"))  # an entry gone by now was another process's, unlinked on exit
-    return {f"shm:{n}" for n in shm} | {f"sock:{n}" for n in os.listdir(d.sockdir)} | data
+    return {f"sock:{n}" for n in os.listdir(d.sockdir)} | data
 
 
 def test_kill9_loop_durable_acks_survive(daemon_factory):
     """4 clients write durably; the daemon is SIGKILLed at a random moment, 20 times in a row, and started
     again on the socket file it left. Every acknowledged block reads back bit-exact; an unacknowledged
-    one is absent or whole; a scrub finds nothing bad; no shared memory, socket or data file builds up."""
+    one is absent or whole; a scrub finds nothing bad; no shared memory, socket or data file builds up (the
+    daemon holds no named shared memory when it is killed and no tierkv entry appears in /dev/shm)."""
     d = daemon_factory(env=FAST_ENV)
     rng = random.Random(2024)
     acked: list[bytes] = []
@@ -143,6 +123,7 @@ def test_kill9_loop_durable_acks_survive(daemon_factory):
         for t in writers:
             t.start()
         time.sleep(rng.uniform(0.1, 0.5))
+        assert shm_held_by(d.proc.pid) == set(), "the daemon holds named shared memory a kill would leave"
         d.kill(unlink=False)
         stop.set()
         for t in writers:
