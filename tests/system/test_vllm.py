@@ -177,7 +177,7 @@ def test_two_servers_share_one_daemon_and_the_blocks_outlive_the_first(stack):
     and serves the module from then on."""
     msgs, later = chat("lighthouse"), chat("canal")
     on_a, before = stack.server.chat(msgs), stack.server.chat(later)
-    b = stack.new_server("b").start()
+    b = stack.new_server("b", one_process=True).start()  # the module's later tests run on vLLM's one-process engine
     try:
         on_b = b.chat(msgs)  # B has never seen this prompt: its prefix comes from A's blocks
         assert on_b.cached_tokens > 0 and on_b.text == on_a.text
@@ -204,7 +204,8 @@ if __name__ == "__main__":
 def test_offline_llm_in_another_process_reloads_the_servers_blocks(stack):
     msgs = chat("quarry")
     served = stack.server.chat(msgs)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine in the script's own process: a start 10 s shorter
     p = subprocess.run([sys.executable, "-c", OFFLINE, stack.model_dir,
                         json.dumps(connector_config(stack.daemon.socket)), json.dumps(msgs)],
                        capture_output=True, text=True, env=env, timeout=600)

@@ -96,7 +96,7 @@ class Fleet:
 
     def _server(self, name: str, daemon: Daemon, role: str) -> VllmServer:
         s = VllmServer(self.model_dir, None, self.work / f"vllm-{name}.log", num_blocks=32, env=DEV,
-                       connector={**connector_config(daemon.socket), "kv_role": role})
+                       connector={**connector_config(daemon.socket), "kv_role": role}, one_process=True)
         self.servers.append(s)
         return s
 

@@ -36,7 +36,7 @@ class Stack:
         self.daemon.start()
         try:
             self.server = VllmServer(str(ensure_converted()), self.daemon.socket, work / "vllm.log", num_blocks=12,
-                                     env=DEV).start()
+                                     env=DEV, one_process=True).start()
         except BaseException:
             self.daemon.stop()
             raise
