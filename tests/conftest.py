@@ -19,9 +19,17 @@ import pytest
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.helpers import Daemon, has_cuda, start_type_check
+from tests.helpers import Daemon, has_cuda, start_shared_type_check, start_type_check
 
 VLLM_MODULES = "tests/system/test_vllm"  # the modules that start vLLM's server
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The whole suite under pytest-xdist: mypy starts now in the background (a minute at a lower priority,
+    beside the first tests) and the worker that runs the type-check test reads its result."""
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if whole and getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        start_shared_type_check(Path(tempfile.mkdtemp(prefix="tierkv-mypy-")) / "mypy.out")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

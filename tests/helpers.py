@@ -337,8 +337,28 @@ def start_type_check() -> None:
                                             stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: os.nice(10)))
 
 
+TYPE_CHECK_ENV = "TIERKV_TESTS_TYPE_CHECK"  # names the file of the session's mypy run (workers inherit it)
+
+
+def start_shared_type_check(path: Path) -> None:
+    """Start mypy in the background (nice 10) writing its output to ``path`` and then its exit status to
+    ``path`` + ``.rc``, for :func:`type_check` in another process (a pytest-xdist worker) to read."""
+    os.environ[TYPE_CHECK_ENV] = str(path)
+    subprocess.Popen(["sh", "-c", f'"{sys.executable}" -m mypy > "{path}" 2>&1; echo $? > "{path}.rc.tmp"; '
+                                  f'mv "{path}.rc.tmp" "{path}.rc"'],
+                     cwd=REPO, preexec_fn=lambda: os.nice(10), start_new_session=True)
+
+
 def type_check(timeout: float = 600.0) -> tuple[int, str]:
-    """mypy's exit status and output: the run :func:`start_type_check` started, else one started now."""
+    """mypy's exit status and output: the run the session started (:func:`start_shared_type_check` or
+    :func:`start_type_check`), else one started now."""
+    shared = os.environ.get(TYPE_CHECK_ENV)
+    if shared:
+        rc = Path(f"{shared}.rc")
+        deadline = time.monotonic() + timeout
+        while not rc.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return int(rc.read_text()), Path(shared).read_text()
     start_type_check()
     proc = _TYPE_CHECK[0]
     out, _ = proc.communicate(timeout=timeout)
