@@ -30,6 +30,7 @@ class Context:
         self.clock: Callable[[], float] = DrivenClock() if self.synchronous else time.monotonic
         self.kicks = 0  # evictor passes asked for
         self.passes = 0  # of those, the ones the evictor has done (its last pass started after them)
+        self._asks = threading.Lock()  # kicks come from mover threads too, without the store's lock
 
     def notify(self) -> None:
         """Wake every waiter (a block became free, clean or settled). Lock held."""
@@ -37,9 +38,16 @@ class Context:
 
     def kick(self, force: bool = False) -> None:
         """Ask the evictor to run soon; ``force``: demote even below the high watermark."""
-        self.force = force or self.force
-        self.kicks += 1
+        with self._asks:
+            self.force = force or self.force
+            self.kicks += 1
         self.wakeup.set()
+
+    def take_kicks(self) -> tuple[bool, int]:
+        """For the evictor's pass: whether a kick asked to force it (cleared), and how many kicks came so far."""
+        with self._asks:
+            force, self.force = self.force, False
+            return force, self.kicks
 
     def wait_until(self, deadline: float) -> bool:
         """Wait on the condition until notified or ``deadline`` (monotonic seconds); False once the

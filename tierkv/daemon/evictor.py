@@ -74,7 +74,7 @@ class Evictor:
         """Write dirty victims back, then free their slots (clean victims are dropped at once)."""
         ctx = self.ctx
         with ctx.lock:
-            force, ctx.force, asked = ctx.force, False, ctx.kicks
+            force, asked = ctx.take_kicks()
             dirty = self.outflow.demotion(force)
             ctx.notify()
             job = self.transfers.store(dirty, background=ctx.cfg.disk.demote_idle, bounded=True) if dirty else None
