@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 # vLLM's CPU build binds one OpenMP thread to every core by default; a thread bound to a core that another
-# process (the daemon, the test, the other pytest worker) is using waits for it at every barrier, and a
-# forward pass then takes tens of times its time (tools/bench_vllm_threads.py). The suite's servers and
-# in-process engines run one unbound thread; benchmarks keep their own settings.
+# process (the daemon, the test, the other pytest worker) is using holds up the others at every barrier
+# (beside one spinning process requests take 3.45x their idle time: tools/bench_vllm_threads.py). The
+# suite's servers and in-process engines run one unbound thread; benchmarks keep their own settings.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
