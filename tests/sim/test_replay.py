@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import random
@@ -260,3 +261,17 @@ def test_disk_writer_with_spare_bandwidth_writes_every_victim():
         TierSpec("disk", PAGE, write_bytes_per_s=-1.0)
     res = CliRunner().invoke(replay_cmd, ["/dev/null", "--disk-capacity", "10%", "--disk-write-bw", "fast"])
     assert res.exit_code != 0 and "not a size" in res.output
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ("tierkv.sim.chat_trace.ChatTraceSpec", "reply_tokens"),
+    ("tierkv.sim.rag_trace.RagTraceSpec", "question_tokens"),
+    ("tierkv.sim.agent_trace.AgentTraceSpec", "tool_output_tokens"),
+    ("tierkv.sim.returns_trace.ReturnsTraceSpec", "output_tokens"),
+])
+def test_a_trace_generator_names_the_token_range_it_refuses(spec, field):
+    module, name = spec.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    with pytest.raises(ValueError, match=rf"^{field} must satisfy 1 <= min <= max, got \(5, 2\)$"):
+        cls(**{field: (5, 2)})
+    cls()  # the defaults are valid

@@ -12,7 +12,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from tierkv.sim.gen_common import poisson_times
+from tierkv.sim.gen_common import check_ranges, poisson_times
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,8 @@ class AgentTraceSpec:
             raise ValueError("sessions >= 1, rate_per_s > 0, mean_steps >= 1 and step_s >= 0 are needed")
         if not 0 <= self.pause_p <= 1 or self.pause_s < 0:
             raise ValueError("0 <= pause_p <= 1 and pause_s >= 0 are needed")
-        for lo, hi in (self.task_tokens, self.tool_output_tokens, self.action_tokens):
-            if not 1 <= lo <= hi:
-                raise ValueError("token ranges must satisfy 1 <= min <= max")
+        check_ranges(task_tokens=self.task_tokens, tool_output_tokens=self.tool_output_tokens,
+                     action_tokens=self.action_tokens)
         if self.tool_prompts < 1 or self.tool_tokens < 0 or self.tool_tokens % self.block_tokens:
             raise ValueError("tool_prompts >= 1 and a tool prompt of whole blocks are needed")
 

@@ -11,11 +11,12 @@ block gets a new id when the next turn fills it.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from tierkv.sim.gen_common import check_ranges, json_lines
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,7 @@ class ChatTraceSpec:
             raise ValueError("0 <= idle_p, abandon_p <= 1 and idle_s >= 0 are needed")
         if self.conversations < 1 or self.rate_per_s <= 0 or self.mean_turns < 1 or self.think_s < 0:
             raise ValueError("conversations >= 1, rate_per_s > 0, mean_turns >= 1 and think_s >= 0 are needed")
-        for lo, hi in (self.user_tokens, self.reply_tokens):
-            if not 1 <= lo <= hi:
-                raise ValueError("token ranges must satisfy 1 <= min <= max")
+        check_ranges(user_tokens=self.user_tokens, reply_tokens=self.reply_tokens)
         if self.system_prompts < 1 or self.system_tokens < 0 or self.block_tokens < 1:
             raise ValueError("system_prompts >= 1, system_tokens >= 0 and block_tokens >= 1 are needed")
 
@@ -105,5 +104,4 @@ def generate(spec: ChatTraceSpec) -> list[dict]:
 
 def lines(spec: ChatTraceSpec) -> Iterator[str]:
     """The trace as JSON lines."""
-    for req in generate(spec):
-        yield json.dumps(req, separators=(",", ":"))
+    return json_lines(generate(spec))

@@ -1,4 +1,4 @@
-"""What the trace generators share: Poisson arrivals and JSON lines."""
+"""What the trace generators share: Poisson arrivals, JSON lines and the check of their token ranges."""
 
 from __future__ import annotations
 
@@ -20,3 +20,14 @@ def json_lines(requests: Iterable[dict]) -> Iterator[str]:
     """Requests as compact JSON lines."""
     for req in requests:
         yield json.dumps(req, separators=(",", ":"))
+
+
+def check_ranges(**ranges: tuple[int, int]) -> None:
+    """Each ``name=(lo, hi)`` must satisfy ``1 <= lo <= hi``.
+
+    Raises:
+        ValueError: naming the first range that does not.
+    """
+    for name, (lo, hi) in ranges.items():
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must satisfy 1 <= min <= max, got ({lo}, {hi})")

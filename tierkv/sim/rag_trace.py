@@ -11,7 +11,7 @@ import bisect
 import random
 from dataclasses import dataclass
 
-from tierkv.sim.gen_common import poisson_times
+from tierkv.sim.gen_common import check_ranges, poisson_times
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,8 @@ class RagTraceSpec:
     def __post_init__(self) -> None:
         if self.requests < 1 or self.rate_per_s <= 0 or self.documents < 1 or self.zipf_s < 0:
             raise ValueError("requests >= 1, rate_per_s > 0, documents >= 1 and zipf_s >= 0 are needed")
-        for lo, hi in (self.document_blocks, self.question_tokens, self.output_tokens):
-            if not 1 <= lo <= hi:
-                raise ValueError("ranges must satisfy 1 <= min <= max")
+        check_ranges(document_blocks=self.document_blocks, question_tokens=self.question_tokens,
+                     output_tokens=self.output_tokens)
         if self.system_tokens < 0 or self.system_tokens % self.block_tokens:
             raise ValueError("system_tokens must be a whole number of blocks")
 

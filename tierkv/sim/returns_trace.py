@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tierkv.sim.gen_common import poisson_times
+from tierkv.sim.gen_common import check_ranges, poisson_times
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,7 @@ class ReturnsTraceSpec:
             raise ValueError("requests, blocks and gap >= 1 and rate_per_s > 0 are needed")
         if not 0 <= self.return_p <= 1:
             raise ValueError(f"return_p must be within 0..1, got {self.return_p!r}")
-        if not 1 <= self.output_tokens[0] <= self.output_tokens[1]:
-            raise ValueError("output_tokens must satisfy 1 <= min <= max")
+        check_ranges(output_tokens=self.output_tokens)
 
 
 def generate(spec: ReturnsTraceSpec) -> list[dict]:
