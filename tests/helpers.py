@@ -358,6 +358,8 @@ def type_check(timeout: float = 600.0) -> tuple[int, str]:
         deadline = time.monotonic() + timeout
         while not rc.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
+        if not rc.exists():
+            return 1, f"the session's mypy run ({shared}) gave no result within {timeout:.0f} s"
         return int(rc.read_text()), Path(shared).read_text()
     start_type_check()
     proc = _TYPE_CHECK[0]
