@@ -279,6 +279,19 @@ def block_values(keys: list[bytes], layout: Layout = SMALL) -> np.ndarray:
     return out.reshape(layout.batch_shape(len(keys)))
 
 
+def as_earlier_format(blob: bytes, version: int = 1) -> bytes:
+    """``blob`` as an earlier tierkv (format 1 or 2: no frame hash) wrote it, its header hash made to match."""
+    import xxhash
+
+    from tierkv.codecs import read_header
+    from tierkv.codecs.container import _FRAME_HASH, _HASH
+
+    end = read_header(blob).header_len - _HASH.size
+    old = bytearray(blob[:end - _FRAME_HASH.size])
+    old[4] = version
+    return bytes(old) + _HASH.pack(xxhash.xxh3_64_intdigest(bytes(old))) + bytes(blob[end + _HASH.size:])
+
+
 def wait_for(pred, timeout: float = 15.0, step: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

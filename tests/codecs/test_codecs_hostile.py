@@ -12,6 +12,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import as_earlier_format
 from tierkv.codecs import (
     CodecError,
     EarlierFormat,
@@ -21,7 +22,7 @@ from tierkv.codecs import (
     encode_block,
     read_header,
 )
-from tierkv.codecs.container import FORMAT_VERSION, pack_header, pack_params
+from tierkv.codecs.container import frame_hash, pack_header, pack_params
 from tierkv.core.keys import Namespace
 from tierkv.core.layout import Layout
 
@@ -66,14 +67,28 @@ def test_foreign_namespace_wrong_key_wrong_layout(blob):
 
 
 def test_a_block_of_the_earlier_format_is_a_miss_of_its_own_kind(blob):
-    old = bytearray(blob)
-    old[4] = FORMAT_VERSION - 1  # what an earlier tierkv wrote (its header hash made to match)
-    header_len = read_header(blob).header_len
-    struct.pack_into("<Q", old, header_len - 8, xxhash.xxh3_64_intdigest(bytes(old[:header_len - 8])))
+    old = as_earlier_format(blob, 1)  # what an earlier tierkv wrote (its header hash made to match)
     with pytest.raises(EarlierFormat, match="earlier format"):
-        read_header(bytes(old))
+        read_header(old)
     with pytest.raises(EarlierFormat):
-        _decode(bytes(old))
+        _decode(old)
+
+
+def test_a_block_of_format_2_is_read_without_a_frame_hash():
+    """Format 2 keyed blocks as this tierkv does and framed them without the frame hash: still served."""
+    layout = Layout(2, 2, 32, 16, "bfloat16")
+    raw = np.zeros(layout.block_bytes, dtype=np.uint8)
+    raw[1::2] = np.random.default_rng(4).integers(60, 64, layout.block_elems, dtype=np.uint8)
+    blob = encode_block(raw, layout=layout, fingerprint=FP, key=KEY, codec="lossless")
+    old = as_earlier_format(blob, 2)
+    h = read_header(old)
+    assert (h.version, h.frame_hash, len(old)) == (2, None, len(blob) - 8)
+    assert any(s.method == "zstd" for s in h.sections)
+    assert decode_block(old, layout=layout, fingerprint=FP, key=KEY).tobytes() == raw.tobytes()
+    bad = bytearray(old)
+    bad[h.header_len + 100] ^= 0x01  # still checked by the checksum over the decoded block
+    with pytest.raises(CodecError):
+        decode_block(bytes(bad), layout=layout, fingerprint=FP, key=KEY)
 
 
 def test_every_truncation_and_extension_is_rejected(blob):
@@ -121,7 +136,8 @@ def _forge(sections: list[tuple[int, bytes, int]], *, layout: Layout = LAYOUT, c
     """A blob with a *valid* header hash around arbitrary sections: (method, stored bytes, declared decoded_len)."""
     header = bytearray(pack_header(codec_id=codec_id, layout=layout, fingerprint=FP, checksum=b"\0" * 16, scope=scope,
                                    params=pack_params(params or {}),
-                                   sections=[(m, len(s), d) for m, s, d in sections]))
+                                   sections=[(m, len(s), d) for m, s, d in sections],
+                                   frames=frame_hash([s for m, s, _ in sections if m == 1])))
     if raw_len is not None or fixed_patch:
         if raw_len is not None:
             struct.pack_into("<Q", header, 24, raw_len)
@@ -194,9 +210,31 @@ def test_decompression_bombs_and_lying_frames():
     cases["lying content size"] = big[:off] + field + big[off + len(field):]
     assert zstandard.get_frame_parameters(cases["lying content size"]).content_size == HALF
     for name, frame in cases.items():
-        with pytest.raises(CodecError):
+        with pytest.raises(CodecError) as caught:
             _decode(_forge([(1, frame, HALF), (0, plane, HALF)]))
-        assert name
+        assert "frame hash" not in str(caught.value), name  # the forger hashed its frames: the guards caught it
+
+
+def test_a_flip_the_zstd_decoder_ignores_is_still_detected():
+    """A zstd frame header has an unused bit (bit 4 of its descriptor, byte 4) the decoder does not read:
+    flipped, the frame decodes to the same bytes, so only the frame hash can see it."""
+    layout = Layout(2, 2, 32, 16, "bfloat16")
+    raw = np.zeros(layout.block_bytes, dtype=np.uint8)
+    raw[1::2] = np.random.default_rng(3).integers(60, 64, layout.block_elems, dtype=np.uint8)
+    for codec in ("zstd", "lossless"):
+        blob = encode_block(raw, layout=layout, fingerprint=FP, key=KEY, codec=codec)
+        h = read_header(blob)
+        off = h.header_len
+        for s in h.sections:
+            if s.method == "zstd":
+                bad = bytearray(blob)
+                bad[off + 4] ^= 0x10
+                assert zstandard.ZstdDecompressor().decompress(bytes(bad[off:off + s.stored_len])) == \
+                    zstandard.ZstdDecompressor().decompress(bytes(blob[off:off + s.stored_len]))
+                with pytest.raises(CodecError, match="frame hash"):
+                    decode_block(bytes(bad), layout=layout, fingerprint=FP, key=KEY)
+            off += s.stored_len
+        assert any(s.method == "zstd" for s in h.sections), codec
 
 
 def test_bad_params_and_ids():

@@ -15,10 +15,9 @@ import torch
 from click.testing import CliRunner
 
 from tests import redis_servers
-from tests.helpers import FAST_ENV, SMALL, block_values, wait_for
+from tests.helpers import FAST_ENV, SMALL, as_earlier_format, block_values, wait_for
 from tests.redis_servers import need_redis
-from tierkv.codecs import encode_block, read_header
-from tierkv.codecs.container import _HASH, FORMAT_VERSION
+from tierkv.codecs import encode_block
 from tierkv.core.errors import KeyMissing
 from tierkv.ops import admin_cli
 from tierkv.tiers.remote.url import remote_key
@@ -118,13 +117,7 @@ def test_blocks_of_the_earlier_format_are_dropped_at_start_and_doctor_says_so(da
     env = lmdb.open(os.path.join(d.data_dir, "disk"), subdir=True, map_size=1 << 32)
     with env.begin(write=True) as txn:
         for k in keys[:4]:  # as the earlier tierkv wrote them (its header hash made to match)
-            old = bytearray(txn.get(fp + k))
-            old[4] = FORMAT_VERSION - 1
-            end = read_header(bytes(txn.get(fp + k))).header_len - _HASH.size
-            import xxhash
-
-            _HASH.pack_into(old, end, xxhash.xxh3_64_intdigest(bytes(old[:end])))
-            txn.put(fp + k, bytes(old))
+            txn.put(fp + k, as_earlier_format(bytes(txn.get(fp + k))))
     env.close()
     d.start()
     with d.client(model="model", identity=V1) as c:

@@ -8,12 +8,16 @@ Layout (little-endian)::
                  section count (u8), layout kind (u8: 0 K and V, 1 latent)
     params       msgpack map of the codec's parameters (params_len bytes, may be empty)
     sections     per section: method (u8: 0 raw, 1 zstd), stored_len (u32), decoded_len (u32)
+    frame hash   xxh3_64 of the zstd sections' stored bytes, back to back (8 B; 0 bytes hashed if none)
     header hash  xxh3_64 of everything above (8 B)
     payload      the sections' stored bytes, back to back
 
 The checksum covers the raw block (or, for lossy codecs, the decoded sections), then the namespace
 fingerprint, then the block key; the key itself is not stored, so a value copied under another key
-fails verification. The header hash lets a scan validate headers without decoding payloads.
+fails verification. A zstd frame has bits its decoder ignores (a reserved bit of the frame header,
+unused bits of literal and table headers): a flip there decodes to the same bytes, which the checksum
+cannot see, so the frame hash covers the frames as stored and is checked before decompressing. The
+header hash lets a scan validate headers without decoding payloads.
 Packing lives here; :mod:`tierkv.codecs.header` parses and validates against the codec registry.
 """
 
@@ -32,7 +36,9 @@ from tierkv.core.layout import Layout
 MAGIC = b"TKVB"
 # 2: blocks are keyed under namespaces that carry the model's identity (its weights, config and dtype),
 # not its name; a block of format 1 belongs to a namespace no engine registers any more, and is dropped.
-FORMAT_VERSION = 2
+# 3: the frame hash. A value of format 2 (keyed alike, framed without it) is still read, its frames unhashed.
+FORMAT_VERSION = 3
+EARLIEST_READ = 2
 FINGERPRINT_BYTES = 16
 MAX_PARAMS_BYTES = 512
 MAX_SECTIONS = 16
@@ -40,6 +46,7 @@ MAX_SECTIONS = 16
 _FIXED = struct.Struct("<4sBBBBIIIIQ16s16sHBB")
 _SECTION = struct.Struct("<BII")
 _HASH = struct.Struct("<Q")
+_FRAME_HASH = struct.Struct("<Q")
 
 # Ids are part of the on-disk format: never renumber, only append.
 DTYPE_IDS: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5,
@@ -103,6 +110,7 @@ class BlockHeader:
         checksum: xxh3_128 digest (16 bytes).
         checksum_scope: ``"raw"`` (raw block bytes) or ``"sections"`` (decoded sections of a lossy codec).
         sections: the payload's sections in order.
+        frame_hash: xxh3_64 of the zstd sections' stored bytes (``None``: a value of format 2, without it).
     """
 
     version: int
@@ -118,6 +126,7 @@ class BlockHeader:
     checksum: bytes
     checksum_scope: str
     sections: tuple[Section, ...] = field(default=())
+    frame_hash: int | None = None
 
     @property
     def payload_len(self) -> int:
@@ -159,9 +168,18 @@ def unpack_params(data: bytes) -> dict[str, Any]:
     return params
 
 
+def frame_hash(frames: list[Any]) -> int:
+    """xxh3_64 of the zstd sections' stored bytes, in order."""
+    h = xxhash.xxh3_64()
+    for f in frames:
+        h.update(f)
+    return h.intdigest()
+
+
 def pack_header(*, codec_id: int, layout: Layout, fingerprint: bytes, checksum: bytes, scope: int,
-                params: bytes, sections: list[tuple[int, int, int]]) -> bytes:
-    """Build the header bytes (fixed part, params, section table, header hash)."""
+                params: bytes, sections: list[tuple[int, int, int]], frames: int | None = None) -> bytes:
+    """Build the header bytes (fixed part, params, section table, frame hash, header hash); ``frames`` is
+    the frame hash (:func:`frame_hash`; ``None``: of no frames)."""
     head = bytearray(_FIXED.pack(MAGIC, FORMAT_VERSION, codec_id, DTYPE_IDS[layout.dtype], scope,
                                  layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_tokens,
                                  layout.block_bytes, fingerprint, checksum, len(params), len(sections),
@@ -169,5 +187,6 @@ def pack_header(*, codec_id: int, layout: Layout, fingerprint: bytes, checksum: 
     head += params
     for method, stored, decoded in sections:
         head += _SECTION.pack(method, stored, decoded)
+    head += _FRAME_HASH.pack(frame_hash([]) if frames is None else frames)
     head += _HASH.pack(xxhash.xxh3_64_intdigest(head))
     return bytes(head)

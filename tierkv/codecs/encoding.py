@@ -18,6 +18,7 @@ from tierkv.codecs.container import (
     SCOPE_RAW,
     CodecError,
     ForeignBlock,
+    frame_hash,
     pack_header,
     pack_params,
 )
@@ -105,8 +106,9 @@ def _encode(codec: Codec, raw: np.ndarray, layout: Layout, fingerprint: bytes, k
     else:
         digest = _digest([buf for buf, _ in parts], fingerprint, key)
     table = [(int(m), memoryview(s).nbytes, memoryview(b).nbytes) for (m, s), (b, _) in zip(packed, parts)]
+    frames = frame_hash([s for m, s in packed if m == Method.ZSTD])
     header = pack_header(codec_id=codec.codec_id, layout=layout, fingerprint=fingerprint, checksum=digest,
-                         scope=codec.checksum_scope, params=pack_params(params), sections=table)
+                         scope=codec.checksum_scope, params=pack_params(params), sections=table, frames=frames)
     stored = len(header) + sum(t[1] for t in table)
     if codec.name == "lossless" and stored * MIN_LOSSLESS_RATIO[layout.itemsize] > layout.block_bytes:
         return _encode(get_codec("raw"), raw, layout, fingerprint, key, {}, level, digest)
@@ -149,7 +151,7 @@ def decode_block(blob: Any, *, layout: Layout, fingerprint: bytes, key: bytes, o
     """Verify and decode one encoded block.
 
     Everything is checked before a buffer is allocated: header, namespace, layout, section sizes
-    against the layout, zstd frame sizes. The checksum over the decoded bytes, fingerprint and key is
+    against the layout, zstd frame sizes, the frames' hash. The checksum over the decoded bytes, fingerprint and key is
     verified before returning.
 
     Args:
@@ -177,12 +179,16 @@ def decode_block(blob: Any, *, layout: Layout, fingerprint: bytes, key: bytes, o
     codec = get_codec(h.codec)
     params = h.params  # validated by read_header, sizes included
     mv = memoryview(blob).cast("B")
-    bufs: list[Any] = []
+    pieces = []
     off = h.header_len
     for s in h.sections:
-        piece = mv[off:off + s.stored_len]
+        pieces.append(mv[off:off + s.stored_len])
         off += s.stored_len
-        bufs.append(decompress_exact(piece, s.decoded_len) if s.method == "zstd" else piece)
+    if h.frame_hash is not None and frame_hash([p for p, s in zip(pieces, h.sections)
+                                                if s.method == "zstd"]) != h.frame_hash:
+        raise CodecError("frame hash mismatch (a stored zstd section is corrupt)")
+    bufs: list[Any] = [decompress_exact(p, s.decoded_len) if s.method == "zstd" else p
+                       for p, s in zip(pieces, h.sections)]
     if codec.checksum_scope != SCOPE_RAW and _digest(bufs, fp, k) != h.checksum:
         raise CodecError("checksum mismatch (corrupt, or stored under another key)")
     result = target if target is not None else np.empty(layout.block_bytes, dtype=np.uint8)

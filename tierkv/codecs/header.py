@@ -9,12 +9,14 @@ import xxhash
 from tierkv.codecs.base import Codec
 from tierkv.codecs.container import (
     _FIXED,
+    _FRAME_HASH,
     _HASH,
     _METHODS,
     _MIN_FRAME,
     _SCOPES,
     _SECTION,
     DTYPE_NAMES,
+    EARLIEST_READ,
     FORMAT_VERSION,
     KIND_NAMES,
     MAGIC,
@@ -65,6 +67,7 @@ def read_header(blob: Any) -> BlockHeader:
     off = _FIXED.size
     params = codec.check_params(layout, unpack_params(bytes(mv[off:off + params_len])))
     sections = _read_sections(mv, off + params_len, n_sections)
+    frames = _FRAME_HASH.unpack_from(mv, header_len - _HASH.size - _FRAME_HASH.size)[0] if version >= 3 else None
     expected = codec.section_sizes(layout, params)
     if [s.decoded_len for s in sections] != expected:
         raise CodecError(f"section sizes {[s.decoded_len for s in sections]} do not match the layout {expected}")
@@ -73,25 +76,27 @@ def read_header(blob: Any) -> BlockHeader:
     return BlockHeader(version=version, codec=codec.name, codec_id=codec_id, params=params, dtype=layout.dtype,
                        layout=layout.to_dict(), fingerprint=bytes(fingerprint), raw_len=raw_len, stored_len=total,
                        header_len=header_len, checksum=bytes(checksum), checksum_scope=_SCOPES[scope],
-                       sections=tuple(sections))
+                       sections=tuple(sections), frame_hash=frames)
 
 
 def _check_framing(mv: memoryview, magic: bytes, version: int, params_len: int, n_sections: int) -> int:
     """Check magic, declared sizes, the header hash and the version; return the header length. A value of
-    an earlier format (its header whole) is an :class:`EarlierFormat`; formats 1 and 2 frame alike."""
+    a format this tierkv no longer reads (format 1; its header whole) is an :class:`EarlierFormat`; formats 1
+    and 2 frame without the frame hash."""
     if magic != MAGIC:
         raise CodecError("not a tierkv block (bad magic)")
     if params_len > MAX_PARAMS_BYTES or n_sections > MAX_SECTIONS:
         raise CodecError("header declares too many parameters or sections")
-    header_len = _FIXED.size + params_len + n_sections * _SECTION.size + _HASH.size
+    frames = _FRAME_HASH.size if version >= 3 else 0
+    header_len = _FIXED.size + params_len + n_sections * _SECTION.size + frames + _HASH.size
     if mv.nbytes < header_len:
         raise CodecError(f"truncated block header ({mv.nbytes} B < {header_len} B)")
     (stored_hash,) = _HASH.unpack_from(mv, header_len - _HASH.size)
     if xxhash.xxh3_64_intdigest(mv[:header_len - _HASH.size]) != stored_hash:
         raise CodecError("block header hash mismatch")
-    if 1 <= version < FORMAT_VERSION:
+    if 1 <= version < EARLIEST_READ:
         raise EarlierFormat(f"block of the earlier format {version} (this tierkv writes {FORMAT_VERSION})")
-    if version != FORMAT_VERSION:
+    if version > FORMAT_VERSION or version < 1:
         raise CodecError(f"unsupported block format version {version}")
     return header_len
 
