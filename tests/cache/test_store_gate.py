@@ -33,6 +33,26 @@ def test_a_stream_without_reuse_stops_being_stored_within_a_bounded_number_of_re
     assert g.c.returns == 0
 
 
+def test_an_idle_engine_stores_a_longer_run_that_also_ends_without_reuse():
+    """``decide`` says what to store now and what an idle engine stores when the request ends: the idle
+    run weighs the prior as ``idle_prior_weight`` (3 by default) and ends as a stream without reuse goes
+    on, 15 offers of a bucket in; 0 turns it off."""
+    g, same = StoreGate(), StoreGate()
+    pairs = [g.decide("ns", unique(i, 6), 0, CHEAP) for i in range(60)]
+    assert [now for now, _ in pairs] == [same.offer("ns", unique(i, 6), 0, CHEAP) for i in range(60)]
+    idle = [later for _, later in pairs]
+    assert idle[:8] == [6] * 8 and idle[8:16] == [2] * 8 and all(n == 0 for n in idle[16:])
+    assert g.c.idle == sum(later - now for now, later in pairs) and g.c.skipped == 360 - g.c.stored
+    assert g.snapshot()["idle"] == g.c.idle
+    # a request cut earlier stores nothing now; its idle run is still told (the caller continues it)
+    assert StoreGate().decide("ns", unique(100, 3), 4, CHEAP, cut=True) == (0, 3)
+    off = StoreGate(idle_prior_weight=0.0)
+    assert all(now == later for now, later in (off.decide("ns", unique(i, 6), 0, CHEAP) for i in range(30)))
+    assert StoreGate(mode="all").decide("ns", unique(1, 4), 0, CHEAP) == (4, 4)
+    with pytest.raises(ValueError):
+        StoreGate(idle_prior_weight=-1.0)
+
+
 def test_a_stream_with_reuse_keeps_being_stored():
     g = StoreGate()
     system = [f"sys.b{j}" for j in range(4)]

@@ -452,13 +452,13 @@ def test_a_tenants_hit_rate_counts_blocks_served_against_blocks_its_engine_compu
         _call(port, "POST", "quotas", {"tenant": "t", "host": 1 << 20})
         root = salt_root(c.fingerprint, "t")
         keys = chain_keys(c.fingerprint, _prompt(90, 4), BT, root)
-        assert c.offer([(root, keys, 0, False, "t")]) == [4]  # computed by its engine: misses
+        assert c.offer([(root, keys, 0, False, "t")]) == [(4, 4)]  # computed by its engine: misses
         c.put(keys, rand_blocks(4, seed=90), tenant="t")
         c.get(keys)
         c.get(keys[:2])
         t = _call(port, "GET", "tenants")[1]["tenants"]["t"]
         assert (t["hits"], t["misses"], t["hit_rate"]) == (6, 4, 0.6)
-        assert c.offer([(root, keys, 0, False)]) == [4], "an offer without a tenant counts for none"
+        assert c.offer([(root, keys, 0, False)]) == [(4, 4)], "an offer without a tenant counts for none"
         assert _call(port, "GET", "tenants")[1]["tenants"]["t"]["misses"] == 4
         with pytest.raises(BadRequest, match="tenant"):
             c.offer([(root, keys, 0, False, "")])

@@ -443,3 +443,45 @@ def test_the_store_gate_skips_a_stream_without_reuse_and_stores_again_once_it_re
     worker.store(plan.stores)
     assert planner.matched_tokens(Req("again-3", again), 0) == (3 * BT, False)
     assert daemon.stats()["store_gate"]["returns"] >= 2
+
+
+def test_an_idle_engine_stores_what_the_gate_skipped_until_the_stream_shows_no_reuse(daemon):
+    """A request the gate cut stores its idle run when it ends with no other request left: the next step
+    copies those blocks out of the pages vLLM kept for it and releases the request. The idle run ends too
+    as the stream goes on without reuse; an engine with another request waiting or running stores none."""
+    ns = Namespace("vllm-idle", LAYOUT)
+    planner = Planner([PlanGroup(Link(daemon.socket, model="vllm-idle", layout=LAYOUT), ns)], BT, gate=True)
+    worker = Transfers(Link(daemon.socket, model="vllm-idle", layout=LAYOUT), pages(seed=12))
+
+    def stream(salt: str, busy: bool) -> tuple[list[int], list[int]]:
+        in_step, idle = [], []
+        if busy:  # a request that waits all along
+            planner.matched_tokens(Req(f"{salt}-waiting", list(range(5, 5 + 2 * BT)), cache_salt=salt), 0)
+        for i in range(30):
+            base = 10_000 * (i + 1) + (500_000 if busy else 0)
+            req = Req(f"{salt}-{i}", list(range(base, base + 3 * BT + 1)), cache_salt=salt)
+            _n, plan = prefill(planner, req, [1, 2, 3, 4])
+            in_step.append(sum(len(io.keys) for io in plan.stores))
+            worker.store(plan.stores)
+            planner.finished(req)
+            held = planner.holds(req.request_id)
+            after = planner.step(Step([], Cached(), {}))
+            assert after.release == ([req.request_id] if held else []) and held == bool(after.stores)
+            assert all(io.block_ids == [1, 2, 3][io.first:] for io in after.stores)
+            idle.append(sum(len(io.keys) for io in after.stores))
+            worker.store(after.stores)
+        return in_step, idle
+
+    in_step, idle = stream("quiet", busy=False)
+    stored = [a + b for a, b in zip(in_step, idle)]
+    k = stored.index(0) if 0 in stored else len(stored)
+    assert in_step[0] == 3 and 0 in in_step and sum(idle) > 0
+    assert all(n > 0 for n in stored[:k]) and stored[-10:] == [0] * 10, stored
+    assert planner.idle_stored == sum(idle)
+    last = max(i for i, n in enumerate(idle) if n)  # the last request an idle engine stored: served whole
+    tokens = list(range(10_000 * (last + 1), 10_000 * (last + 1) + 3 * BT + 1))
+    assert planner.matched_tokens(Req("again", tokens, cache_salt="quiet"), 0) == (stored[last] * BT, False)
+    assert daemon.stats()["store_gate"]["idle"] >= sum(idle)
+
+    in_step, idle = stream("busy", busy=True)
+    assert in_step[0] == 3 and 0 in in_step and idle == [0] * 30

@@ -66,7 +66,8 @@ class Drive:
     evictions: int
 
 
-def drive(d, w: Workload, store: str = "model", timeout: float | None = 0, clock: bool = False) -> Drive:
+def drive(d, w: Workload, store: str = "model", timeout: float | None = 0, clock: bool = False,
+          ended_idle: list[bool] | None = None) -> Drive:
     """Every request of ``w`` through the daemon in order; the hit prefix is leased while the rest is
     stored.
 
@@ -76,7 +77,9 @@ def drive(d, w: Workload, store: str = "model", timeout: float | None = 0, clock
     the vLLM connector's store pass within the step: the blocks past the hit that the lookup index
     holds are skipped, ``alloc`` for the others keeping the skipped ones, then ``commit`` of the others
     with the skipped ones as uses; ``gated``: as ``engine``, after offering the blocks past the hit to
-    the daemon's store gate, which says how many leading ones to store (the rest are not touched).
+    the daemon's store gate, which says how many leading ones to store (the rest are not touched), and
+    where ``ended_idle`` says the engine was idle when the request ended, the run after them that the
+    gate keeps for an idle engine is stored then, as the connector stores it.
 
     ``clock``: the daemon decides on the trace's clock (``server.synchronous``), moved before each
     request."""
@@ -95,18 +98,22 @@ def drive(d, w: Workload, store: str = "model", timeout: float | None = 0, clock
             for k in keys[hit:]:
                 leases.append(c.acquire([k]))
             rest = [k for k, lease in zip(keys[hit:], leases[1:]) if not lease.count]
+        idle: list[bytes] = []
         if rest and store == "gated":
-            rest = rest[:c.offer([(None, rest, hit, False)])[0]]
-        parent = keys[keys.index(rest[0]) - 1] if rest and rest[0] != keys[0] else None
-        if rest and store in ("engine", "gated"):
-            todo = missing([BlockIO("r", rest, list(range(len(rest))), parent=parent)], c.cached)
-            with c.alloc(len(todo.keys), timeout=timeout, keep=todo.uses) if todo.keys else Slots(c, []) as slots:
-                slots.commit(todo.keys, chains=todo.chains, uses=todo.uses)
-        elif rest:
-            c.put(rest, zeros[:len(rest)], timeout=timeout, parent=parent)
-        for lease in leases:
-            lease.release()
-        c.request_finished(keys, req.output_tokens)
+            now, later = c.offer([(None, rest, hit, False)])[0]
+            rest, idle = rest[:now], (rest[now:later] if ended_idle is not None and ended_idle[len(hits) - 1] else [])
+        for run in (rest, idle):
+            parent = keys[keys.index(run[0]) - 1] if run and run[0] != keys[0] else None
+            if run and store in ("engine", "gated"):
+                todo = missing([BlockIO("r", run, list(range(len(run))), parent=parent)], c.cached)
+                with c.alloc(len(todo.keys), timeout=timeout, keep=todo.uses) if todo.keys else Slots(c, []) as slots:
+                    slots.commit(todo.keys, chains=todo.chains, uses=todo.uses)
+            elif run:
+                c.put(run, zeros[:len(run)], timeout=timeout, parent=parent)
+            if run is rest:
+                for lease in leases:
+                    lease.release()
+                c.request_finished(keys, req.output_tokens)
     evictions = c.stats()["tiers"]["host"]["evictions"]
     c.close()
     return Drive(hits, evictions)
@@ -177,8 +184,9 @@ def test_engine_store_path_hits_what_replay_predicts(daemon_factory):
 def test_the_store_gate_decides_as_replay_does(daemon_factory):
     """Chat turns among long one-off requests that nothing reuses, stored as the vLLM connector stores
     them once the store gate is asked: the daemon's gate and replay's skip the same blocks (the one-offs'
-    positions past any chat's, 32 blocks in, stop being stored), and the host tier hits the same blocks
-    on every request."""
+    positions past any chat's, 32 blocks in, stop being stored), the requests that end with the engine
+    idle (by replay's clock) store the same idle runs, and the host tier hits the same blocks on every
+    request."""
     lines, rows = [], [json.loads(s) for s in chat_lines(4)]
     for i, row in enumerate(rows):
         lines.append(json.dumps(row))
@@ -187,8 +195,6 @@ def test_the_store_gate_decides_as_replay_does(daemon_factory):
                                      "hash_ids": [10**6 + 100 * i + j for j in range(48)]}))
     w = workload(lines)
     d = start(daemon_factory, 128, "lru")
-    got = drive(d, w, store="gated").hits
-    gate = d.stats()["store_gate"]
     sim = Simulator(w, "lru", ReplayConfig(tiers=[TierSpec("host", host_capacity(d))], page_tokens=BT,
                                            trace_block_tokens=BT, kv_bytes_per_token=SMALL.block_bytes // BT,
                                            store_gate="predicted"))
@@ -202,8 +208,11 @@ def test_the_store_gate_decides_as_replay_does(daemon_factory):
 
     sim._serve = counted
     res = sim.run()
+    got = drive(d, w, store="gated", ended_idle=sim.ended_idle).hits
+    gate = d.stats()["store_gate"]
     assert gate["skipped"] > 0.1 * gate["offered"]  # the one-offs' deep blocks stopped being stored
     assert (gate["offered"], gate["skipped"]) == (res.store_offered, res.store_skipped)
+    assert 0 < res.store_idle <= gate["idle"] and 0 < sum(sim.ended_idle) < len(sim.ended_idle)
     assert got == hits
 
 

@@ -367,19 +367,31 @@ def test_a_stalled_disk_ends_the_load_within_its_bound_and_vllm_recomputes(stack
 def test_the_store_gate_stops_storing_prompts_nothing_reuses_and_stores_one_that_comes_back(stack):
     """A stream of prompts nothing reuses ends up stored no more (the connector's and the daemon's
     counters say so); a prompt that then comes back is stored again and served. Under a salt of its
-    own: the gate learns per namespace and salt, apart from the module's other prompts."""
+    own: the gate learns per namespace and salt, apart from the module's other prompts. One at a time,
+    each request ends with the engine idle: the connector stores the blocks the gate kept for an idle
+    engine (a longer run, which ends too) out of the pages vLLM frees after that step."""
     salt = "gate-tenant"
     before = stack.daemon.stats()["store_gate"]
     gated = metric(stack.server, "vllm:tierkv_store_gated_total")
+    idle = metric(stack.server, "vllm:tierkv_store_idle_total")
+
+    def prompt(i: int) -> list[int]:
+        return list(range(20_000 + 400 * i, 20_000 + 400 * i + 2 * BT + 40))
+
     for i in range(24):
-        stack.server.complete(list(range(20_000 + 400 * i, 20_000 + 400 * i + 2 * BT + 40)), max_tokens=1, salt=salt)
+        stack.server.complete(prompt(i), max_tokens=1, salt=salt)
     after = stack.daemon.stats()["store_gate"]
     assert after["skipped"] - before["skipped"] >= 8 and after["returns"] == before["returns"]
+    assert after["idle"] - before["idle"] >= 8
     deadline = time.monotonic() + 20  # the connector's counters reach /metrics with vLLM's stats
-    while metric(stack.server, "vllm:tierkv_store_gated_total") <= gated and time.monotonic() < deadline:
+    while (metric(stack.server, "vllm:tierkv_store_gated_total") <= gated
+           or metric(stack.server, "vllm:tierkv_store_idle_total") <= idle) and time.monotonic() < deadline:
         stack.server.complete([1, 2, 3], max_tokens=1)
         time.sleep(0.5)
     assert metric(stack.server, "vllm:tierkv_store_gated_total") > gated
+    assert metric(stack.server, "vllm:tierkv_store_idle_total") > idle
+    stack.server.reset_prefix_cache()  # the tenth prompt: past the in-step run (6), within the idle one (16)
+    assert stack.server.complete(prompt(10), max_tokens=1, salt=salt)["cached_tokens"] == 2 * BT
     prompt = list(range(40_000, 40_000 + 2 * BT + 40))
     served = []
     for _ in range(4):  # the same prompt again, vLLM's own cache emptied each time

@@ -22,6 +22,13 @@ again once ``threshold`` of the bucket's recent offers came back.
 
 The blocks stored are a leading run of the offer: a chain is only read back through its prefix, so
 the first bucket that does not pay ends what a request stores (the caller stops storing that request).
+
+A second, longer run is stored only when the engine is idle: after its request ends, if no other
+request is waiting or running, the connector stores it then (a copy out of pages vLLM frees after it,
+on cores with nothing else to do). It runs while the estimate with ``idle_prior_weight`` in place of
+``prior_weight`` pays, so an idle engine stores more of a workload's first requests (the returns a gate
+that learns from returns cannot foresee) and a workload without reuse still stops being stored, after
+``idle_prior_weight * (prior / threshold - 1)`` offers of a bucket (0: nothing is stored when idle).
 Plain code, no threads and no I/O: the daemon and ``tierkv replay`` both drive it.
 """
 
@@ -50,6 +57,7 @@ class GateCounters:
     offered: int = 0
     stored: int = 0
     skipped: int = 0
+    idle: int = 0  # of the skipped, blocks in the run stored if the engine is idle when their request ends
     returns: int = 0
 
 
@@ -74,6 +82,8 @@ class StoreGate:
     SETTINGS = {
         "prior": Setting(0.3, "return chance assumed for a bucket with no offers yet", min=0.0, max=1.0),
         "prior_weight": Setting(1.0, "offers the prior weighs as", min=0.1),
+        "idle_prior_weight": Setting(3.0, "offers the prior weighs as for stores while the engine is idle "
+                                     "(0: none)", min=0.0),
         "half_life": Setting(256.0, "offers of a bucket over which its counts halve", min=16.0),
         "ghost_entries": Setting(1 << 17, "offered keys remembered to see them come back", min=16),
         "min_return": Setting(0.05, "a bucket returning less often than this is never stored, whatever the "
@@ -126,12 +136,14 @@ class StoreGate:
             self._returned(key)
 
     # ---- deciding ---------------------------------------------------------------------------------
-    def chance(self, cls: Hashable, b: int) -> float:
-        """The estimated chance that a block of ``cls`` in bucket ``b`` comes back."""
+    def chance(self, cls: Hashable, b: int, idle: bool = False) -> float:
+        """The estimated chance that a block of ``cls`` in bucket ``b`` comes back (``idle``: weighing the
+        prior as ``idle_prior_weight``)."""
         s = self._settings
         counts = self._counts.get(cls)
         offers, returns = (counts[b][0], counts[b][1]) if counts is not None else (0.0, 0.0)
-        return (returns + s.number("prior") * s.number("prior_weight")) / (offers + s.number("prior_weight"))
+        w = s.number("idle_prior_weight" if idle else "prior_weight")
+        return (returns + s.number("prior") * w) / (offers + w) if offers + w > 0 else 0.0
 
     def threshold(self, costs: BlockCosts, position: int) -> float:
         """The chance of a return a block at ``position`` needs to be worth storing."""
@@ -139,15 +151,23 @@ class StoreGate:
         need = costs.store_s / rc if rc > 0 else 1.0
         return max(self._settings.number("min_return"), min(1.0, need))
 
-    def pays(self, cls: Hashable, position: int, costs: BlockCosts) -> bool:
-        """Whether a block of ``cls`` at ``position`` is worth storing now (``all``: always)."""
-        return self.mode == "all" or self.chance(cls, bucket(position)) >= self.threshold(costs, position)
+    def pays(self, cls: Hashable, position: int, costs: BlockCosts, idle: bool = False) -> bool:
+        """Whether a block of ``cls`` at ``position`` is worth storing now (``idle``: while the engine is
+        idle; ``all``: always)."""
+        return self.mode == "all" or self.chance(cls, bucket(position), idle) >= self.threshold(costs, position)
 
     def offer(self, cls: Hashable, keys: Sequence[Hashable], first: int, costs: BlockCosts,
               cut: bool = False) -> int:
         """A request's new blocks ``keys`` (positions ``first`` on) are offered for storing: learn from
         the ones seen before, remember them all, and return how many leading ones to store (``cut``:
         none, the request stopped storing earlier; offered only to learn from)."""
+        return self.decide(cls, keys, first, costs, cut)[0]
+
+    def decide(self, cls: Hashable, keys: Sequence[Hashable], first: int, costs: BlockCosts,
+               cut: bool = False) -> tuple[int, int]:
+        """As :meth:`offer`, and how many leading keys to store if the engine is idle when the request
+        ends (at least the first number, whatever ``cut`` says: the caller keeps its idle run going only
+        while it continues)."""
         counts = self._class(cls)
         back = [key in self._ghosts for key in keys]
         for key, seen in zip(keys, back):
@@ -157,6 +177,11 @@ class StoreGate:
         while not cut and n < len(keys) and (self.pays(cls, first + n, costs)
                                              or (back[n] and costs.store_s < costs.recompute_s(first + n))):
             n += 1
+        later = n
+        if self._settings.number("idle_prior_weight") > 0:
+            while later < len(keys) and (self.pays(cls, first + later, costs, idle=True)
+                                         or (back[later] and costs.store_s < costs.recompute_s(first + later))):
+                later += 1
         ghosts, limit = self._ghosts, int(self._settings.number("ghost_entries"))
         keep = 0.5 ** (1.0 / self._settings.number("half_life"))
         for i, key in enumerate(keys):
@@ -170,7 +195,8 @@ class StoreGate:
         self.c.offered += len(keys)
         self.c.stored += n
         self.c.skipped += len(keys) - n
-        return n
+        self.c.idle += later - n
+        return n, later
 
     def snapshot(self) -> dict[str, object]:
         """Mode, counters, and per position bucket the share of offered blocks that came back, over every
@@ -181,4 +207,4 @@ class StoreGate:
             returns = sum(c[b][1] for c in self._counts.values())
             buckets.append(round(returns / offers, 4) if offers else None)
         return {"mode": self.mode, "offered": self.c.offered, "stored": self.c.stored, "skipped": self.c.skipped,
-                "returns": self.c.returns, "classes": len(self._counts), "return_rate_by_position": buckets}
+                "idle": self.c.idle, "returns": self.c.returns, "classes": len(self._counts), "return_rate_by_position": buckets}

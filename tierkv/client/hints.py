@@ -50,7 +50,8 @@ class Hints(Connection):
                                           "recent": recent})["demoted"])
 
     def offer(self, offers: Sequence[tuple[bytes | None, Sequence[bytes], int, bool]
-                                    | tuple[bytes | None, Sequence[bytes], int, bool, str | None]]) -> list[int]:
+                                    | tuple[bytes | None, Sequence[bytes], int, bool, str | None]]
+              ) -> list[tuple[int, int]]:
         """Ask the daemon's store gate which of requests' new blocks are worth storing.
 
         Args:
@@ -61,10 +62,14 @@ class Hints(Connection):
                 request's tenant (whose misses they are).
 
         Returns:
-            Per offer, how many leading keys to store (the rest are skipped as unlikely to pay).
+            Per offer, how many leading keys to store now (the rest are skipped as unlikely to pay) and
+            how many if the engine has no other request when this one ends (at least as many; the idle
+            run continues only the request's earlier idle run).
         """
         body = [[o[0], check_keys(o[1]), int(o[2]), bool(o[3]), *o[4:]] for o in offers]
-        return [int(n) for n in self._call(Op.OFFER, {"offers": body})["store"]]
+        reply = self._call(Op.OFFER, {"offers": body})
+        now = [int(n) for n in reply["store"]]
+        return list(zip(now, [int(n) for n in reply.get("idle", now)]))
 
     def set_clock(self, seconds: float) -> None:
         """Move the clock a daemon started with ``server.synchronous`` decides on (its policies,

@@ -132,7 +132,8 @@ class BlockStore:
         self.gpu_path = None if self.gpu is None else GpuPath(ctx, m, self.gpu, self.slots, tr)
         self.evictor = Evictor(ctx, m, tr, self.gpu_path)
         self.gate = StoreGate(ctx.cfg.store.gate, min_return=ctx.cfg.store.min_return,
-                              prior_weight=ctx.cfg.store.prior_weight)
+                              prior_weight=ctx.cfg.store.prior_weight,
+                              idle_prior_weight=ctx.cfg.store.idle_prior_weight)
         self.signals = Signals(ctx, m, (self.host_reuse, self.admission), self.gate, self.cost)
         self.store_path = StorePath(ctx, m, self.slots, tr, self.signals)
         self.fetch_path = FetchPath(ctx, m, self.slots, tr)

@@ -247,7 +247,8 @@ class Handlers:
         return {"now": clock.now}
 
     def offer(self, conn: socket.socket, s: Session, body: dict) -> dict:
-        """Requests' new blocks offered for storing: how many leading keys of each to store."""
+        """Requests' new blocks offered for storing: how many leading keys of each to store now, and how
+        many if the engine is idle when the request ends."""
         offers = body.get("offers")
         if not isinstance(offers, list) or len(offers) > 4096:
             raise BadRequest("offers must be a list of at most 4096 [root, keys, first, cut(, tenant)] entries")
@@ -266,7 +267,8 @@ class Handlers:
                 raise BadRequest("an offer's cut must be true or false")
             checked.append((root, validate_keys(keys), first, cut, tenant))
         namespace(s)  # a BadRequest before HELLO
-        return {"store": self.store.signals.offered(s, checked)}
+        answers = self.store.signals.offered(s, checked)
+        return {"store": [now for now, _ in answers], "idle": [idle for _, idle in answers]}
 
     def touch(self, conn: socket.socket, s: Session, body: dict) -> dict:
         """Attention mass per block for the policies."""

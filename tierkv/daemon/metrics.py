@@ -143,6 +143,7 @@ def _daemon_metrics(st: dict) -> Iterator[Metric]:
     for key, doc in (("offered", "Blocks engines offered for storing (new blocks of their requests)."),
                      ("stored", "Offered blocks the store gate said to store."),
                      ("skipped", "Offered blocks not stored: unlikely to be read back before they would leave."),
+                     ("idle", "Of the skipped blocks, those an engine idle when their request ends stores."),
                      ("returns", "Offered blocks seen again (read back, or offered again).")):
         yield CounterMetricFamily(f"tierkv_store_gate_{key}_blocks", doc, value=gate.get(key, 0))
     li = st.get("lookup_index")

@@ -327,6 +327,10 @@ class StoreConfig:
     """Offers the gate's prior return chance (0.3) weighs as, for a position it has seen few offers of:
     higher stores more of a workload's first requests (more hits where blocks come back, more stored
     where none do)."""
+    idle_prior_weight: float = 3.0
+    """As ``prior_weight``, for the blocks the vLLM connector stores after their request ends while the
+    engine has no other request (0: none): an idle engine stores more of a workload's first requests at
+    no cost to a step."""
 
 
     def validate(self) -> None:
@@ -339,6 +343,8 @@ class StoreConfig:
             raise ValueError(f"store.min_return must be within 0..1, got {self.min_return!r}")
         if not self.prior_weight >= 0.1:
             raise ValueError(f"store.prior_weight must be >= 0.1, got {self.prior_weight!r}")
+        if not self.idle_prior_weight >= 0:
+            raise ValueError(f"store.idle_prior_weight must be >= 0, got {self.idle_prior_weight!r}")
 
 
 def check_watermarks(name: str, low: float, high: float) -> None:

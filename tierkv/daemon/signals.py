@@ -71,10 +71,11 @@ class Signals:
             if self.ctx.cfg.disk.admission == "predicted":
                 self.admission.stored(fks[lo:hi], now, starts.get(lo))
 
-    def offered(self, s: Session, offers: list[tuple[bytes | None, list[bytes], int, bool, str | None]]) -> list[int]:
+    def offered(self, s: Session, offers: list[tuple[bytes | None, list[bytes], int, bool, str | None]]
+                ) -> list[tuple[int, int]]:
         """Requests' new blocks offered for storing (``(root, keys, first, cut, tenant)`` each): the store
-        gate learns from them and says how many leading keys of each are worth storing; a tenant's are
-        its misses."""
+        gate learns from them and says how many leading keys of each are worth storing now, and how many
+        if the engine is idle when the request ends; a tenant's are its misses."""
         assert s.ns is not None  # the handler checked the connection's namespace
         lo = s.ns.layout
         cost = self.cost
@@ -86,7 +87,7 @@ class Signals:
         with self.ctx.lock:
             for _root, keys, _first, _cut, tenant in offers:
                 self.quotas.missed(tenant, len(keys))
-            return [self.gate.offer((s.fp, root), [s.fp + k for k in keys], first, costs, cut)
+            return [self.gate.decide((s.fp, root), [s.fp + k for k in keys], first, costs, cut)
                     for root, keys, first, cut, _tenant in offers]
 
     def request_finished(self, s: Session, keys: list[bytes], output_tokens: int | None = None) -> int:

@@ -63,7 +63,8 @@ class Tuner:
             self.set_config(new)
             self.admission.update(mode=new.disk.admission, shadow_rate=new.disk.shadow_rate)
             self.gate.update(mode=new.store.gate, min_return=new.store.min_return,
-                             prior_weight=new.store.prior_weight)
+                             prior_weight=new.store.prior_weight,
+                             idle_prior_weight=new.store.idle_prior_weight)
             if disk is not None:
                 disk.capacity = new.disk.capacity
             if engine.cpu_share is not None:

@@ -51,6 +51,7 @@ def _policy_settings(sets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     return out
 
 
+GATE_SETTINGS = ("min_return", "prior_weight", "idle_prior_weight")  # the daemon's store section, as replay's gate takes them
 DEFAULT_CONFIG = Path(str(resources.files("tierkv").joinpath("configs", "default.toml")))  # package data
 
 
@@ -120,7 +121,8 @@ def _table(results: list[ReplayResult], tiers: list[str]) -> str:
                 lines.append(f"  default: {r.placement}, admission {r.admission} (the daemon's configuration)")
             if r.store_offered:
                 lines.append(f"  {r.policy}: the store gate stored {r.store_offered - r.store_skipped:,} of "
-                             f"{r.store_offered:,} missed pages ({r.store_skipped:,} skipped as unlikely to pay)")
+                             f"{r.store_offered:,} missed pages ({r.store_skipped:,} skipped as unlikely to pay, "
+                             f"{r.store_idle:,} of them stored later, the engine idle)")
     return "\n".join(lines)
 
 
@@ -266,8 +268,7 @@ def replay(trace: Path, policies: str, capacities: str, disk_capacity: str | Non
                               kv_bytes_per_token=kv_bytes_per_token, prefill_tokens_per_s=prefill_rate,
                               attn_double_tokens=attn_double_tokens, policy_settings=_policy_settings(sets),
                               store_gate=store_gate, store_cost_bytes_per_s=float(daemon.store.cost_bytes_per_s),
-                              store_gate_settings={"min_return": daemon.store.min_return,
-                                                   "prior_weight": daemon.store.prior_weight},
+                              store_gate_settings={k: v for k, v in asdict(daemon.store).items() if k in GATE_SETTINGS},
                               quotas=_quotas(quota_args))
         requests = load_trace(trace)
     except (TraceError, ValueError, OSError) as exc:

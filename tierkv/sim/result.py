@@ -34,6 +34,7 @@ class ReplayResult:
     admission: str = ""
     store_offered: int = 0  # missed pages offered to the store gate
     store_skipped: int = 0  # of those, not stored (``predicted`` gate)
+    store_idle: int = 0  # of the skipped, stored after their request while the engine was idle
     tenant_hit_rate: dict[str, float] = field(default_factory=dict)  # per tenant, of its prompt tokens
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,8 +25,10 @@ its pages against the others' floods; each tenant's token hit rate is reported.
 
 With ``store_gate = "predicted"`` the pages after the hit are first offered to the daemon's store gate
 (:class:`~tierkv.cache.store_gate.StoreGate`), as an engine's connector offers them: only the leading
-run it keeps is stored (and used); the rest is recomputed and forgotten. Served pages teach it as the
-daemon's reads do.
+run it keeps is stored (and used); the rest is recomputed and forgotten, but for the run the gate keeps
+for an idle engine: stored when the request ends if the next one arrives after that (the engine runs
+requests one after another, each for its prefill at ``prefill_tokens_per_s``; decode is not modelled).
+Served pages teach it as the daemon's reads do.
 
 The policies and admission rules are wired as the daemon wires them (:mod:`tierkv.cache.wiring`), on
 the trace's clock.
@@ -90,6 +92,9 @@ class Simulator:
         self.hits: dict[int, int] = {}  # page -> uses since it was cached (the reused rule reads them)
         self._writer_free = [0.0] * len(config.tiers)  # trace time each tier's writer is done
         self._hit_tok = 0
+        self._idle_run: list[int] = []  # the request's pages stored if the engine is idle at its end
+        self.idle_stored = 0
+        self.ended_idle: list[bool] = []  # per request replayed: no other request waited when it ended
         # the engine's signals reach the models a decision reads: predicted rules and the host's reuse
         self._signals: list[Any] = [r for r in self.rules if r is not None and r.mode == "predicted"]
         if self.host_reuse is not None:
@@ -187,6 +192,7 @@ class Simulator:
         ttft_ref: list[float] = []
         next_use = w.next_use if self.policy_name == "opt" else None
         rate, dbl = cfg.prefill_tokens_per_s, cfg.attn_double_tokens
+        busy_until = 0.0  # trace time the engine ends the requests so far
         for i, req in enumerate(w.requests):
             clock.now = req.timestamp_s
             pages, toks = w.pages[i], w.tokens[i]
@@ -203,8 +209,13 @@ class Simulator:
             compute = prefill_seconds(self._hit_tok, req.input_tokens, rate, dbl)
             ttft.append(max(compute, self._load_seconds(load_b)))
             ttft_ref.append(prefill_seconds(0, req.input_tokens, rate, dbl))
+            busy_until = max(busy_until, req.timestamp_s) + ttft[-1]
             for rule in self._signals:
                 rule.request_finished(pages, clock.now, req.output_tokens if req.output_given else None)
+            self.ended_idle.append(i + 1 == len(w.requests) or w.requests[i + 1].timestamp_s >= busy_until)
+            if self._idle_run and self.ended_idle[-1]:
+                self._store(self._idle_run)
+                self.idle_stored += len(self._idle_run)
         total = max(total_tokens, 1)
         label = capacity_label if capacity_label is not None else str(tiers[0].capacity)
         return ReplayResult(
@@ -216,12 +227,13 @@ class Simulator:
             ttft_recompute_p50_s=percentile(ttft_ref, 0.5), ttft_recompute_p99_s=percentile(ttft_ref, 0.99),
             wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0, placement=self.placement_name,
             admission=self.admission_name, store_offered=self.gate.c.offered, store_skipped=self.gate.c.skipped,
+            store_idle=self.idle_stored,
             tenant_hit_rate={t: h / max(n, 1) for t, (h, n) in sorted(tenant_tokens.items())})
 
     def _serve(self, pages: list[int], toks: list[int], hit_tokens: list[int]) -> list[int]:
         """One request: count its prefix hits, promote cached pages and insert the rest into tier 0.
         Returns the bytes read per tier."""
-        stack, now = self.stack, self.clock.now
+        stack = self.stack
         held = stack.held
         load_b = [0] * stack.n
         k, n = 0, len(pages)
@@ -232,12 +244,24 @@ class Simulator:
             load_b[t] += stack.page_bytes
             k += 1
         self._hit_tok = sum(toks[:k])
+        self._idle_run = []
         if self.gate.mode != "all":
             for p in pages[:k]:
                 self.gate.read(p)
             if k < n:  # the missed pages are offered to the store gate: the run it keeps is stored
-                n = k + self.gate.offer(None, pages[k:], k, self._costs)
+                now_n, idle_n = self.gate.decide(None, pages[k:], k, self._costs)
+                self._idle_run = pages[k + now_n:k + idle_n]
+                if self._idle_run and k + now_n:
+                    self.parent_of[self._idle_run[0]] = pages[k + now_n - 1]  # the chain it continues
+                n = k + now_n
                 pages, toks = pages[:n], toks[:n]
+        self._store(pages)
+        return load_b
+
+    def _store(self, pages: list[int]) -> None:
+        """Pages of a request go into tier 0: cached ones are promoted or used, the others computed and
+        stored."""
+        stack, now, n = self.stack, self.clock.now, len(pages)
         for rule in self._signals:
             rule.requested(pages, now)
         for j in range(1, n):
@@ -264,7 +288,6 @@ class Simulator:
         for pol in self.policies[1:]:  # what the first tier did not hold: the lower tiers' references
             for p in incoming:
                 pol.referenced(p, self.parent_of.get(p))
-        return load_b
 
     def _load_seconds(self, load_b: list[int]) -> float:
         load = 0.0

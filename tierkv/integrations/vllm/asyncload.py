@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from tierkv.core.errors import TierKVError
+from tierkv.integrations.vllm.blockio import BlockIO
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.pages import VllmPages
-from tierkv.integrations.vllm.plan import BlockIO
 
 __all__ = ["AsyncLoads", "Outcome"]
 

@@ -81,10 +81,12 @@ __all__ = ["TierKVConnector", "TierKVConnectorMetadata"]
 
 @dataclass
 class TierKVConnectorMetadata(KVConnectorMetadata):
-    """One step's loads (before the forward pass) and stores (after it)."""
+    """One step's loads (before the forward pass) and stores (after it); ``release``: finished requests
+    whose pages vLLM keeps for this step's stores (reported as sent once they ran)."""
 
     loads: list[BlockIO] = field(default_factory=list)
     stores: list[BlockIO] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
 
 
 def _model_id(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
@@ -205,22 +207,30 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._transfers.start_async([io for io in meta.loads if io.wait_s is not None])
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous loads finished (their missing blocks are reported as load errors
-        in the same step); tierkv never holds vLLM's blocks after a request ends. vLLM asks
-        :meth:`get_transfer_results`, which also names the requests whose load failed."""
+        """Finished requests whose pages this step's stores copied (vLLM frees them now), and requests
+        whose asynchronous loads finished (their missing blocks are reported as load errors in the same
+        step). vLLM asks :meth:`get_transfer_results`, which also names the requests whose load failed."""
+        released = self._released()
         if self._transfers is None:
-            return None, None
-        return None, self._transfers.take_done() or None
+            return released or None, None
+        return released or None, self._transfers.take_done() or None
+
+    def _released(self) -> set[str]:
+        """The finished requests this step's stores read from (the stores ran in :meth:`wait_for_save`)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return set(meta.release) if isinstance(meta, TierKVConnectorMetadata) else set()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """As :meth:`get_finished`, plus the requests whose load failed as a whole (hybrid and sliding-window
         models: vLLM recomputes them)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+        released = self._released()
         if self._transfers is None:
-            return KVConnectorTransferResults()
+            return KVConnectorTransferResults(finished_sending=released)
         done = self._transfers.take_done()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=self._transfers.take_failed())
+        return KVConnectorTransferResults(finished_sending=released, finished_recving=done,
+                                          failed_recving=self._transfers.take_failed())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in :meth:`start_load_kv`: nothing to wait for per layer."""
@@ -248,7 +258,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         p, o = self._planner, self._planner.offers
         now = {"unidentified_requests": p.unidentified, "store_offered": o.offered if o else 0,
-               "store_gated": o.gated if o else 0}
+               "store_gated": o.gated if o else 0, "store_idle": p.idle_stored}
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         return TierKVConnectorStats(data=delta) if any(delta.values()) else None
@@ -299,14 +309,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._meter is not None:
             self._meter.step(scheduler_output.num_scheduled_tokens)
         plan = self._planner.step(scheduler_output)
-        return TierKVConnectorMetadata(loads=plan.loads, stores=plan.stores)
+        return TierKVConnectorMetadata(loads=plan.loads, stores=plan.stores, release=plan.release)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request and tell the daemon its blocks are a conversation tail; they were stored as
-        they filled, so vLLM may free them now."""
-        if self._planner is not None:
-            self._planner.finished(request)
-        return False, None
+        they filled, so vLLM may free them now, unless the engine is idle and the next step stores the
+        blocks the store gate kept for an idle engine (vLLM frees them once the worker reports it)."""
+        if self._planner is None:
+            return False, None
+        self._planner.finished(request)
+        return self._planner.holds(request.request_id), None
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:

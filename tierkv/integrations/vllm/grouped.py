@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tierkv.integrations.vllm.asyncload import Outcome
-from tierkv.integrations.vllm.plan import BlockIO
+from tierkv.integrations.vllm.blockio import BlockIO
 from tierkv.integrations.vllm.transfer import Counters, Staged, Transfers
 
 __all__ = ["GroupTransfers"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierkv.integrations.vllm.plan import BlockIO
+from tierkv.integrations.vllm.blockio import BlockIO
 
 __all__ = ["Missing", "missing"]
 

@@ -3,10 +3,12 @@ step's new blocks are worth storing.
 
 Once per step that stores, every request's new blocks (its first KV cache group's keys, with the root
 its chain starts from and the position of the first) go to the daemon in one round trip; the answer
-is, per request, how many leading blocks to store. The others are not copied out of vLLM's pages, not
-committed and never written to disk; and since a chain is read back only through its prefix, a request
-stores nothing more once one of its blocks was skipped (its later blocks are still offered, for the
-gate to learn from). A daemon without a store gate answers with an error: every block is then stored.
+is, per request, how many leading blocks to store, and how many if the engine is idle when the request
+ends. The others are not copied out of vLLM's pages, not committed and never written to disk; and since
+a chain is read back only through its prefix, a request stores nothing more once one of its blocks was
+skipped (its later blocks are still offered, for the gate to learn from) until it ends: then, with no
+other request waiting or running, the planner stores the run the gate kept for an idle engine. A
+daemon without a store gate answers with an error: every block is then stored.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class StoreOffers:
 
     def trim(self, stores: list[Any], requests: Mapping[str, Any]) -> list[Any]:
         """The stores (:class:`~tierkv.integrations.vllm.plan.BlockIO`, every group's) to run: each
-        request's leading run the gate keeps. ``requests`` maps a request id to its state (``roots``,
-        ``cut``: set here once the gate skipped one of its blocks)."""
+        request's leading run the gate keeps. ``requests`` maps a request id to its state (``roots``;
+        ``cut_at`` and ``idle_to``, set here: where the gate first skipped one of its blocks, and the end
+        of the run after it that an idle engine stores)."""
         if not self.on:
             return stores
         heads = [io for io in stores if io.group == 0]
@@ -54,7 +57,13 @@ class StoreOffers:
             return stores
         if answer is None:
             return stores  # the daemon is away: the stores fail and are counted
-        keep = {io.req_id: n for io, n in zip(heads, answer)}
+        keep = {io.req_id: n for io, (n, _) in zip(heads, answer)}
+        for io, (n, idle) in zip(heads, answer):
+            st = requests[io.req_id]
+            if st.cut_at is None and n < len(io.keys):
+                st.cut_at, st.idle_to = io.first + n, io.first + idle
+            elif st.cut_at is not None and st.idle_to == io.first:  # the idle run goes on
+                st.idle_to = io.first + idle
         kept = []
         for io in stores:
             n = keep.get(io.req_id, len(io.keys))
@@ -62,7 +71,6 @@ class StoreOffers:
                 self.offered += len(io.keys)
                 self.gated += len(io.keys) - n
             if n < len(io.keys):
-                requests[io.req_id].cut = True
                 io.keys, io.block_ids = io.keys[:n], io.block_ids[:n]
                 if io.tokens is not None:
                     io.tokens = io.tokens[:n * self.block_tokens * 4]

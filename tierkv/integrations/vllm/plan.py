@@ -18,10 +18,9 @@ from the daemon's shared lookup index, so the scheduling hot path makes no round
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 
 from tierkv.core.errors import TierKVError
 from tierkv.core.keys import Namespace, chain_keys
+from tierkv.integrations.vllm.blockio import BlockIO, StepPlan, tenant_of
 from tierkv.integrations.vllm.groups import GroupSpec, find_hit
 from tierkv.integrations.vllm.inputs import Inputs, TokensOnly, salt_root
 from tierkv.integrations.vllm.link import Link
@@ -39,48 +39,6 @@ from tierkv.integrations.vllm.ranks import ask_ranks, finished, merge_plans
 log = logging.getLogger("vllm.tierkv")
 
 __all__ = ["BlockIO", "PlanGroup", "Planner", "PrefillMeter", "StepPlan"]
-
-
-@dataclass(slots=True)
-class BlockIO:
-    """Blocks of one request and one KV cache group to move between tierkv (``keys``) and vLLM
-    (``block_ids``).
-
-    ``wait_s`` marks an asynchronous load: the most seconds it may take before what arrived is used and
-    the rest recomputed (None: a load inside the step, or a store). ``parent``: the key ``keys[0]``
-    continues in its request's chain (None: the chain's first block). ``tokens``: a store's token ids
-    (int32 bytes, ``block_tokens`` per key), for the daemon's KV events. ``group``: the KV cache group.
-    ``lead``: blocks of the load before ``keys[0]`` that the group never reads (outside its sliding
-    window: vLLM's null block stands there), served without being moved. ``first``: a store's position
-    of ``keys[0]`` in its request's chain. ``tenant``: a store's tenant (the request's ``cache_salt``),
-    whose quotas in the daemon count its blocks."""
-
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
-    wait_s: float | None = None
-    parent: bytes | None = None
-    tokens: bytes | None = None
-    group: int = 0
-    lead: int = 0
-    first: int = 0
-    tenant: str | None = None
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What the worker does in one step: loads before the forward pass, stores after it."""
-
-    loads: list[BlockIO] = field(default_factory=list)
-    stores: list[BlockIO] = field(default_factory=list)
-
-
-def tenant_of(salt: str | None) -> str | None:
-    """The tenant a request's blocks are stored for: its ``cache_salt`` (a digest of one longer than the
-    daemon takes)."""
-    if not salt:
-        return None
-    return salt if len(salt) <= 256 else "salt:" + hashlib.blake2b(salt.encode(), digest_size=16).hexdigest()
 
 
 @dataclass(slots=True)
@@ -96,7 +54,13 @@ class _Request:
     wait_s: float | None = None   # the pending load is asynchronous, bounded by this
     waited: bool = False          # an asynchronous load was sent: the request never waits twice
     inputs: Inputs | None = None  # None: an input cannot be identified; neither stored nor loaded
-    cut: bool = False             # the store gate stopped storing this request (its chain is broken there)
+    cut_at: int | None = None     # where the store gate stopped storing this request (None: it did not)
+    idle_to: int = 0              # blocks cut_at .. idle_to - 1 are stored if the engine is idle at its end
+
+    @property
+    def cut(self) -> bool:
+        """The store gate stopped storing this request (its chain is broken at ``cut_at``)."""
+        return self.cut_at is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +104,9 @@ class Planner:
             identified (the request is then neither stored nor loaded). Default: token ids alone.
         gate: ask the daemon's store gate, once per step, which of the step's new blocks are worth
             storing (:mod:`tierkv.cache.store_gate`); a request stores a leading run of its blocks and
-            nothing after the first one the gate skips.
+            nothing after the first one the gate skips, and when it ends with no other request waiting
+            or running, the run after it the gate keeps for an idle engine (vLLM frees its pages once
+            the next step copied them).
     """
 
     def __init__(self, groups: Sequence[PlanGroup], block_tokens: int, stores: bool = True,
@@ -166,6 +132,9 @@ class Planner:
         self.unidentified = 0  # requests neither stored nor loaded: an input could not be identified
         self._why_unidentified: set[str] = set()  # each reason is logged once
         self.offers = StoreOffers(self.link, block_tokens) if gate else None
+        self._idle_stores: list[BlockIO] = []  # stores of finished requests vLLM holds the pages of
+        self._release: list[str] = []
+        self.idle_stored = 0  # blocks stored after their request ended, the engine idle
 
     @classmethod
     def single(cls, link: Link, namespace: Namespace, block_tokens: int, stores: bool = True) -> Planner:
@@ -346,6 +315,8 @@ class Planner:
             self._plan_request(st, cached.num_computed_tokens[i] + counts.get(req_id, 0), plan)
         if self.offers is not None and plan.stores:
             plan.stores = self.offers.trim(plan.stores, self._reqs)
+        plan.stores.extend(self._idle_stores)
+        plan.release, self._idle_stores, self._release = self._release, [], []
         return plan
 
 
@@ -378,13 +349,15 @@ class Planner:
 
     def finished(self, request: Any) -> list[bytes]:
         """Forget a finished request and tell the daemon its blocks are a conversation tail that a next
-        turn may extend, with how many tokens it generated; returns the keys of its stored blocks (the
-        first group's)."""
+        turn may extend, with how many tokens it generated; returns the keys of the blocks it offered (the
+        first group's). With no other request left, the blocks the gate keeps for an idle engine are
+        stored by the next step: :meth:`holds` says vLLM must keep the request's pages until then."""
         st = self._reqs.pop(request.request_id, None)
         out = getattr(request, "num_output_tokens", None)
         out = out if isinstance(out, int) and not isinstance(out, bool) and out >= 0 else None
         if st is None:
             return []
+        self._store_when_idle(st)
         for g, group in enumerate(self.groups):
             keys = st.keys[g][:st.stored_blocks]
             for link in group.links if keys else ():
@@ -393,6 +366,27 @@ class Planner:
                 except TierKVError:  # a hint (an older daemon may not know it): losing it costs no request
                     pass
         return st.keys[0][:st.stored_blocks]
+
+    def _store_when_idle(self, st: _Request) -> int:
+        """Plan the store of a finished request's idle run if no other request is left (not for sliding
+        windows, whose early pages vLLM has freed); returns the blocks planned."""
+        lo, hi = st.cut_at, min(st.idle_to, st.stored_blocks, *(len(ids) for ids in st.block_ids))
+        if lo is None or hi <= lo or self._reqs or self._windowed or st.inputs is None:
+            return 0
+        bt, req_id = self.block_tokens, st.request.request_id
+        tokens = np.asarray(st.request.all_token_ids[lo * bt:hi * bt], dtype="<i4").tobytes()
+        for g, gkeys in enumerate(self._keys(st, hi)):
+            self._idle_stores.append(BlockIO(req_id, gkeys[lo:hi], st.block_ids[g][lo:hi], parent=gkeys[lo - 1]
+                                             if lo else st.roots[g], tokens=tokens, group=g, first=lo,
+                                             tenant=tenant_of(getattr(st.request, "cache_salt", None))))
+        self._release.append(req_id)
+        self.idle_stored += hi - lo
+        return hi - lo
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the next step stores blocks of this finished request out of vLLM's pages (vLLM keeps
+        them until the worker reports the request as sent)."""
+        return request_id in self._release
 
     def __len__(self) -> int:
         return len(self._reqs)

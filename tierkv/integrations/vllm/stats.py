@@ -37,6 +37,8 @@ _PROM = {
                            "Bytes of served blocks outside a sliding window: never moved."),
     "store_offered": ("vllm:tierkv_store_offered", "New blocks offered to tierkv's store gate."),
     "store_gated": ("vllm:tierkv_store_gated", "New blocks not stored: unlikely to be read back (store gate)."),
+    "store_idle": ("vllm:tierkv_store_idle",
+                   "Of the gated blocks, those stored after their request ended while the engine was idle."),
     "unidentified_requests": ("vllm:tierkv_unidentified_requests",
                               "Requests neither stored nor loaded: an input (adapter, image) could not be identified."),
 }
@@ -76,7 +78,7 @@ class TierKVConnectorStats(KVConnectorStats):
                 "load_mib": round(c.load_bytes / (1 << 20), 1),
                 "window_saved_mib": round(c.window_saved_bytes / (1 << 20), 1),
                 "unidentified_requests": c.unidentified_requests, "store_offered": c.store_offered,
-                "store_gated": c.store_gated}
+                "store_gated": c.store_gated, "store_idle": c.store_idle}
 
     def is_empty(self) -> bool:
         """Nothing happened in the interval."""

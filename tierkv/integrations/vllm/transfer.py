@@ -28,11 +28,11 @@ from tierkv.client.client import Client
 from tierkv.client.slots import Slots
 from tierkv.core.errors import ConnectionFailed, TierFull, TierKVError
 from tierkv.integrations.vllm.asyncload import AsyncLoads, Outcome
+from tierkv.integrations.vllm.blockio import BlockIO
 from tierkv.integrations.vllm.committer import StoreCommitter
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.missing import Missing, missing
 from tierkv.integrations.vllm.pages import VllmPages
-from tierkv.integrations.vllm.plan import BlockIO
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -62,6 +62,7 @@ class Counters:
     unidentified_requests: int = 0  # neither stored nor loaded: an input could not be identified (scheduler)
     store_offered: int = 0       # new blocks offered to the daemon's store gate (scheduler)
     store_gated: int = 0         # of those, not stored: unlikely to be read back (scheduler)
+    store_idle: int = 0          # of those, stored after their request ended, the engine idle (scheduler)
     async_loads: int = 0         # requests loaded beside the forward pass
     async_hit_tokens: int = 0    # of ``hit_tokens``, served by asynchronous loads
     async_wait_s: float = 0.0    # their summed time from submission to done
