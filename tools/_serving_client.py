@@ -23,7 +23,7 @@ COUNTERS = ("vllm:prompt_tokens", "vllm:prefix_cache_queries", "vllm:prefix_cach
             "vllm:tierkv_store_steps", "vllm:tierkv_async_loads", "vllm:tierkv_load_errors",
             "vllm:tierkv_store_skipped", "vllm:tierkv_load_seconds", "vllm:tierkv_load_steps",
             "vllm:tierkv_load_bytes", "vllm:tierkv_store_copy_seconds", "vllm:tierkv_store_offered",
-            "vllm:tierkv_store_gated", "vllm:tierkv_stored_tokens")
+            "vllm:tierkv_store_gated", "vllm:tierkv_store_idle", "vllm:tierkv_stored_tokens")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -11,7 +11,7 @@ COLUMNS = (  # (heading, width, key of figures())
     ("TPOT p50", 9, "tpot_p50_ms"), ("p99", 8, "tpot_p99_ms"), ("ITL p99", 8, "itl_p99_ms"),
     ("req/s", 7, "requests_per_s"), ("out tok/s", 9, "output_tokens_per_s"),
     ("cached %", 8, "cached_pct"), ("device", 8, "device_hit_tokens"), ("connector", 9, "connector_hit_tokens"),
-    ("store ms/step", 13, "store_ms_per_step"), ("copy", 6, "copy_ms_per_step"), ("stored %", 8, "stored_pct"),
+    ("store ms/step", 13, "store_ms_per_step"), ("copy", 6, "copy_ms_per_step"), ("stored %", 8, "stored_pct"), ("idle %", 6, "idle_pct"),
     ("load ms/step", 12, "load_ms_per_step"), ("failed", 6, "failed"), ("greedy diff", 11, "greedy_diff"),
 )
 RATIOS = (("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"), ("TPOT p50", "tpot_p50_ms"),
@@ -42,6 +42,7 @@ def figures(run: dict, reference: list[str] | None) -> dict:
     copy_step = 1e3 * n.get("vllm:tierkv_store_copy_seconds", 0.0) / steps if steps else None
     offered = n.get("vllm:tierkv_store_offered", 0.0)
     stored_pct = 100.0 * (offered - n.get("vllm:tierkv_store_gated", 0.0)) / offered if offered else None
+    idle_pct = 100.0 * n.get("vllm:tierkv_store_idle", 0.0) / offered if offered else None  # of the gated, stored idle
     loads = n.get("vllm:tierkv_load_steps", 0.0)
     load_step = 1e3 * n.get("vllm:tierkv_load_seconds", 0.0) / loads if loads else None
     diff = sum(a != b for a, b in zip(greedy, reference or greedy, strict=False))
@@ -54,6 +55,7 @@ def figures(run: dict, reference: list[str] | None) -> dict:
             "store_ms_per_step": "-" if per_step is None else round(per_step, 2),
             "copy_ms_per_step": "-" if copy_step is None else round(copy_step, 2),
             "stored_pct": "-" if stored_pct is None else round(stored_pct, 1),
+            "idle_pct": "-" if idle_pct is None else round(idle_pct, 1),
             "store_offered_blocks": int(offered), "store_gated_blocks": int(n.get("vllm:tierkv_store_gated", 0.0)),
             "load_ms_per_step": "-" if load_step is None else round(load_step, 2), "load_steps": int(loads),
             "load_gb": round(n.get("vllm:tierkv_load_bytes", 0.0) / 1e9, 2),

@@ -477,11 +477,50 @@ def test_an_idle_engine_stores_what_the_gate_skipped_until_the_stream_shows_no_r
     k = stored.index(0) if 0 in stored else len(stored)
     assert in_step[0] == 3 and 0 in in_step and sum(idle) > 0
     assert all(n > 0 for n in stored[:k]) and stored[-10:] == [0] * 10, stored
-    assert planner.idle_stored == sum(idle)
+    assert planner.idle.stored == sum(idle)
     last = max(i for i, n in enumerate(idle) if n)  # the last request an idle engine stored: served whole
     tokens = list(range(10_000 * (last + 1), 10_000 * (last + 1) + 3 * BT + 1))
     assert planner.matched_tokens(Req("again", tokens, cache_salt="quiet"), 0) == (stored[last] * BT, False)
     assert daemon.stats()["store_gate"]["idle"] >= sum(idle)
 
-    in_step, idle = stream("busy", busy=True)
+    in_step, idle = stream("busy", busy=True)  # vLLM's KV cache usage unknown: nothing is held
     assert in_step[0] == 3 and 0 in in_step and idle == [0] * 30
+
+
+def test_a_request_ending_beside_others_is_held_for_the_first_idle_step_while_vllm_has_room(daemon):
+    """Runs of requests that end while another runs wait, their pages held by vLLM, for the first step
+    with no request left, while vLLM's KV cache is at most half full; over three quarters full the held
+    pages are given back unstored, oldest first."""
+    ns = Namespace("vllm-held", LAYOUT)
+    planner = Planner([PlanGroup(Link(daemon.socket, model="vllm-held", layout=LAYOUT), ns)], BT, gate=True)
+    worker = Transfers(Link(daemon.socket, model="vllm-held", layout=LAYOUT), pages(seed=13))
+    usage = [0.2]
+    planner.idle.usage = lambda: usage[0]
+    other = Req("other", list(range(5, 5 + 2 * BT)))
+    planner.matched_tokens(other, 0)  # waits all along
+    held = []
+    for i in range(12):
+        req = Req(f"h-{i}", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 3 * BT + 1)))
+        _n, plan = prefill(planner, req, [1, 2, 3, 4])
+        worker.store(plan.stores)
+        planner.finished(req)
+        if planner.holds(req.request_id):
+            held.append(req.request_id)
+        after = planner.step(Step([], Cached(), {}))
+        assert not after.stores and not after.release  # another request is live: nothing is copied
+    assert held and planner.idle.stored == 0
+    usage[0] = 0.8  # vLLM needs its room: the oldest held pages go back, unstored
+    after = planner.step(Step([], Cached(), {}))
+    assert not after.stores and after.release == held and planner.idle.given_up > 0
+    usage[0] = 0.2
+    held = []
+    for i in range(12, 14):  # two more ended beside the waiting one, then it ends too: the next step stores all
+        req = Req(f"h-{i}", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 3 * BT + 1)))
+        worker.store(prefill(planner, req, [5, 6, 7, 8])[1].stores)
+        planner.finished(req)
+        assert planner.holds(req.request_id)
+        held.append(req.request_id)
+    planner.finished(other)
+    after = planner.step(Step([], Cached(), {}))
+    assert after.release == held and sum(len(io.keys) for io in after.stores) == planner.idle.stored > 0
+    worker.store(after.stores)

@@ -26,8 +26,10 @@ its pages against the others' floods; each tenant's token hit rate is reported.
 With ``store_gate = "predicted"`` the pages after the hit are first offered to the daemon's store gate
 (:class:`~tierkv.cache.store_gate.StoreGate`), as an engine's connector offers them: only the leading
 run it keeps is stored (and used); the rest is recomputed and forgotten, but for the run the gate keeps
-for an idle engine: stored when the request ends if the next one arrives after that (the engine runs
-requests one after another, each for its prefill at ``prefill_tokens_per_s``; decode is not modelled).
+for an idle engine: stored when the first request that ends with the engine idle ends (its own, or a
+later one's; the engine runs requests one after another, each for its prefill at
+``prefill_tokens_per_s``, and is idle at a request's end when the next arrives after it; decode is not
+modelled, nor the room vLLM's own cache has to hold the pages until then).
 Served pages teach it as the daemon's reads do.
 
 The policies and admission rules are wired as the daemon wires them (:mod:`tierkv.cache.wiring`), on
@@ -93,6 +95,7 @@ class Simulator:
         self._writer_free = [0.0] * len(config.tiers)  # trace time each tier's writer is done
         self._hit_tok = 0
         self._idle_run: list[int] = []  # the request's pages stored if the engine is idle at its end
+        self._held: list[list[int]] = []  # idle runs of requests that ended beside others, oldest first
         self.idle_stored = 0
         self.ended_idle: list[bool] = []  # per request replayed: no other request waited when it ended
         # the engine's signals reach the models a decision reads: predicted rules and the host's reuse
@@ -213,9 +216,13 @@ class Simulator:
             for rule in self._signals:
                 rule.request_finished(pages, clock.now, req.output_tokens if req.output_given else None)
             self.ended_idle.append(i + 1 == len(w.requests) or w.requests[i + 1].timestamp_s >= busy_until)
-            if self._idle_run and self.ended_idle[-1]:
-                self._store(self._idle_run)
-                self.idle_stored += len(self._idle_run)
+            if self._idle_run:
+                self._held.append(self._idle_run)
+            if self.ended_idle[-1]:
+                for run in self._held:
+                    self._store(run)
+                    self.idle_stored += len(run)
+                self._held = []
         total = max(total_tokens, 1)
         label = capacity_label if capacity_label is not None else str(tiers[0].capacity)
         return ReplayResult(

@@ -258,7 +258,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         p, o = self._planner, self._planner.offers
         now = {"unidentified_requests": p.unidentified, "store_offered": o.offered if o else 0,
-               "store_gated": o.gated if o else 0, "store_idle": p.idle_stored}
+               "store_gated": o.gated if o else 0, "store_idle": p.idle.stored}
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         return TierKVConnectorStats(data=delta) if any(delta.values()) else None
@@ -292,10 +292,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._planner.queued(request)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        """Learn vLLM's null block (it stands for a sliding window's blocks outside the window)."""
+        """Learn vLLM's null block (it stands for a sliding window's blocks outside the window) and how
+        full its KV cache is (finished requests' pages are held for an idle step only while it has room)."""
+        if self._planner is None:
+            return
         null = getattr(getattr(gpu_block_pool, "null_block", None), "block_id", None)
-        if self._planner is not None and isinstance(null, int):
+        if isinstance(null, int):
             self._planner.null_block = null
+        self._planner.idle.usage = gpu_block_pool.get_usage
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Remember the request's blocks (every group's) and plan the load of its external tokens."""

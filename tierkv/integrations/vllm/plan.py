@@ -30,6 +30,7 @@ from tierkv.core.errors import TierKVError
 from tierkv.core.keys import Namespace, chain_keys
 from tierkv.integrations.vllm.blockio import BlockIO, StepPlan, tenant_of
 from tierkv.integrations.vllm.groups import GroupSpec, find_hit
+from tierkv.integrations.vllm.idle import IdleStores
 from tierkv.integrations.vllm.inputs import Inputs, TokensOnly, salt_root
 from tierkv.integrations.vllm.link import Link
 from tierkv.integrations.vllm.meter import PrefillMeter, wait_bound
@@ -104,9 +105,8 @@ class Planner:
             identified (the request is then neither stored nor loaded). Default: token ids alone.
         gate: ask the daemon's store gate, once per step, which of the step's new blocks are worth
             storing (:mod:`tierkv.cache.store_gate`); a request stores a leading run of its blocks and
-            nothing after the first one the gate skips, and when it ends with no other request waiting
-            or running, the run after it the gate keeps for an idle engine (vLLM frees its pages once
-            the next step copied them).
+            nothing after the first one the gate skips, and after it ends the run the gate keeps for an
+            idle engine, in a step with no request to run (:mod:`~tierkv.integrations.vllm.idle`).
     """
 
     def __init__(self, groups: Sequence[PlanGroup], block_tokens: int, stores: bool = True,
@@ -132,9 +132,7 @@ class Planner:
         self.unidentified = 0  # requests neither stored nor loaded: an input could not be identified
         self._why_unidentified: set[str] = set()  # each reason is logged once
         self.offers = StoreOffers(self.link, block_tokens) if gate else None
-        self._idle_stores: list[BlockIO] = []  # stores of finished requests vLLM holds the pages of
-        self._release: list[str] = []
-        self.idle_stored = 0  # blocks stored after their request ended, the engine idle
+        self.idle = IdleStores()  # runs of finished requests stored when the engine is idle
 
     @classmethod
     def single(cls, link: Link, namespace: Namespace, block_tokens: int, stores: bool = True) -> Planner:
@@ -315,8 +313,8 @@ class Planner:
             self._plan_request(st, cached.num_computed_tokens[i] + counts.get(req_id, 0), plan)
         if self.offers is not None and plan.stores:
             plan.stores = self.offers.trim(plan.stores, self._reqs)
-        plan.stores.extend(self._idle_stores)
-        plan.release, self._idle_stores, self._release = self._release, [], []
+        idle_stores, plan.release = self.idle.take(idle=not self._reqs)
+        plan.stores.extend(idle_stores)
         return plan
 
 
@@ -350,8 +348,8 @@ class Planner:
     def finished(self, request: Any) -> list[bytes]:
         """Forget a finished request and tell the daemon its blocks are a conversation tail that a next
         turn may extend, with how many tokens it generated; returns the keys of the blocks it offered (the
-        first group's). With no other request left, the blocks the gate keeps for an idle engine are
-        stored by the next step: :meth:`holds` says vLLM must keep the request's pages until then."""
+        first group's). The run the gate kept for an idle engine is stored by a later step with no
+        request to run: :meth:`holds` says whether vLLM must keep the request's pages until then."""
         st = self._reqs.pop(request.request_id, None)
         out = getattr(request, "num_output_tokens", None)
         out = out if isinstance(out, int) and not isinstance(out, bool) and out >= 0 else None
@@ -367,26 +365,22 @@ class Planner:
                     pass
         return st.keys[0][:st.stored_blocks]
 
-    def _store_when_idle(self, st: _Request) -> int:
-        """Plan the store of a finished request's idle run if no other request is left (not for sliding
-        windows, whose early pages vLLM has freed); returns the blocks planned."""
+    def _store_when_idle(self, st: _Request) -> None:
+        """Hand a finished request's idle run to :attr:`idle` (not for sliding windows, whose early pages
+        vLLM has freed)."""
         lo, hi = st.cut_at, min(st.idle_to, st.stored_blocks, *(len(ids) for ids in st.block_ids))
-        if lo is None or hi <= lo or self._reqs or self._windowed or st.inputs is None:
-            return 0
+        if lo is None or hi <= lo or self._windowed or st.inputs is None:
+            return
         bt, req_id = self.block_tokens, st.request.request_id
         tokens = np.asarray(st.request.all_token_ids[lo * bt:hi * bt], dtype="<i4").tobytes()
-        for g, gkeys in enumerate(self._keys(st, hi)):
-            self._idle_stores.append(BlockIO(req_id, gkeys[lo:hi], st.block_ids[g][lo:hi], parent=gkeys[lo - 1]
-                                             if lo else st.roots[g], tokens=tokens, group=g, first=lo,
-                                             tenant=tenant_of(getattr(st.request, "cache_salt", None))))
-        self._release.append(req_id)
-        self.idle_stored += hi - lo
-        return hi - lo
+        tenant = tenant_of(getattr(st.request, "cache_salt", None))
+        run = [BlockIO(req_id, gkeys[lo:hi], st.block_ids[g][lo:hi], parent=gkeys[lo - 1] if lo else st.roots[g],
+                       tokens=tokens, group=g, first=lo, tenant=tenant) for g, gkeys in enumerate(self._keys(st, hi))]
+        self.idle.finished(req_id, run, idle=not self._reqs)
 
     def holds(self, request_id: str) -> bool:
-        """Whether the next step stores blocks of this finished request out of vLLM's pages (vLLM keeps
-        them until the worker reports the request as sent)."""
-        return request_id in self._release
+        """Whether vLLM must keep a finished request's pages: a later step stores from them."""
+        return self.idle.holds(request_id)
 
     def __len__(self) -> int:
         return len(self._reqs)
