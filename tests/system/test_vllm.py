@@ -392,6 +392,8 @@ def test_the_store_gate_stops_storing_prompts_nothing_reuses_and_stores_one_that
     assert metric(stack.server, "vllm:tierkv_store_idle_total") > idle
     stack.server.reset_prefix_cache()  # the tenth prompt: past the in-step run (6), within the idle one (16)
     assert stack.server.complete(prompt(10), max_tokens=1, salt=salt)["cached_tokens"] == 2 * BT
+    stack.server.reset_prefix_cache()  # stored idle under the tenant's salt: nothing for a request without it
+    assert stack.server.complete(prompt(10), max_tokens=1)["cached_tokens"] == 0
     prompt = list(range(40_000, 40_000 + 2 * BT + 40))
     served = []
     for _ in range(4):  # the same prompt again, vLLM's own cache emptied each time

@@ -173,15 +173,15 @@ class StoreGate:
         for key, seen in zip(keys, back):
             if seen:
                 self._returned(key)
+        def keeps(i: int, idle: bool) -> bool:  # a block offered again is stored where that costs less
+            return self.pays(cls, first + i, costs, idle) or (back[i] and costs.store_s < costs.recompute_s(first + i))
+
         n = 0
-        while not cut and n < len(keys) and (self.pays(cls, first + n, costs)
-                                             or (back[n] and costs.store_s < costs.recompute_s(first + n))):
+        while not cut and n < len(keys) and keeps(n, False):
             n += 1
         later = n
-        if self._settings.number("idle_prior_weight") > 0:
-            while later < len(keys) and (self.pays(cls, first + later, costs, idle=True)
-                                         or (back[later] and costs.store_s < costs.recompute_s(first + later))):
-                later += 1
+        while self._settings.number("idle_prior_weight") > 0 and later < len(keys) and keeps(later, True):
+            later += 1
         ghosts, limit = self._ghosts, int(self._settings.number("ghost_entries"))
         keep = 0.5 ** (1.0 / self._settings.number("half_life"))
         for i, key in enumerate(keys):

@@ -317,8 +317,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request and tell the daemon its blocks are a conversation tail; they were stored as
-        they filled, so vLLM may free them now, unless the engine is idle and the next step stores the
-        blocks the store gate kept for an idle engine (vLLM frees them once the worker reports it)."""
+        they filled, so vLLM may free them now, unless a later step with no request to run stores the
+        run the store gate kept for an idle engine (vLLM frees them once the worker reports it)."""
         if self._planner is None:
             return False, None
         self._planner.finished(request)

@@ -332,14 +332,17 @@ class Planner:
         while lo < full and any(ids[lo] == self.null_block for ids in self._windowed_ids(st)):
             lo += 1
         if full > lo and self.stores:
-            keys = self._keys(st, full)
-            bt = self.block_tokens
-            tokens = np.asarray(st.request.all_token_ids[lo * bt:full * bt], dtype="<i4").tobytes()
-            for g, gkeys in enumerate(keys):
-                plan.stores.append(BlockIO(st.request.request_id, gkeys[lo:full], st.block_ids[g][lo:full],
-                                           parent=gkeys[lo - 1] if lo else st.roots[g], tokens=tokens, group=g,
-                                           first=lo, tenant=tenant_of(getattr(st.request, "cache_salt", None))))
+            plan.stores.extend(self._store_ios(st, lo, full))
             st.stored_blocks = full
+
+    def _store_ios(self, st: _Request, lo: int, hi: int) -> list[BlockIO]:
+        """Every group's store of the request's blocks ``lo .. hi - 1``."""
+        bt = self.block_tokens
+        tokens = np.asarray(st.request.all_token_ids[lo * bt:hi * bt], dtype="<i4").tobytes()
+        tenant = tenant_of(getattr(st.request, "cache_salt", None))
+        return [BlockIO(st.request.request_id, gkeys[lo:hi], st.block_ids[g][lo:hi],
+                        parent=gkeys[lo - 1] if lo else st.roots[g], tokens=tokens, group=g, first=lo, tenant=tenant)
+                for g, gkeys in enumerate(self._keys(st, hi))]
 
     def _windowed_ids(self, st: _Request) -> list[list[int]]:
         """The block ids of the request's sliding-window groups (the only ones with null blocks)."""
@@ -371,12 +374,7 @@ class Planner:
         lo, hi = st.cut_at, min(st.idle_to, st.stored_blocks, *(len(ids) for ids in st.block_ids))
         if lo is None or hi <= lo or self._windowed or st.inputs is None:
             return
-        bt, req_id = self.block_tokens, st.request.request_id
-        tokens = np.asarray(st.request.all_token_ids[lo * bt:hi * bt], dtype="<i4").tobytes()
-        tenant = tenant_of(getattr(st.request, "cache_salt", None))
-        run = [BlockIO(req_id, gkeys[lo:hi], st.block_ids[g][lo:hi], parent=gkeys[lo - 1] if lo else st.roots[g],
-                       tokens=tokens, group=g, first=lo, tenant=tenant) for g, gkeys in enumerate(self._keys(st, hi))]
-        self.idle.finished(req_id, run, idle=not self._reqs)
+        self.idle.finished(st.request.request_id, self._store_ios(st, lo, hi), idle=not self._reqs)
 
     def holds(self, request_id: str) -> bool:
         """Whether vLLM must keep a finished request's pages: a later step stores from them."""
